@@ -1,0 +1,105 @@
+"""Causal attention of a ragged batch of queries over a token-slot KV pool.
+
+Request i owns queries q[q_indptr[i]:q_indptr[i+1]] and keys/values at slots
+kv_indices[kv_indptr[i]:kv_indptr[i+1]]; its queries are the last q_len of its kv_len tokens, so
+query j sees keys 0 .. kv_len - q_len + j. One kernel covers a prefill chunk over a cached prefix,
+a decode step (q_len = 1) and a mix of both. GQA: query head h reads KV head h // (Hq // Hkv).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def ragged_paged_attention_reference(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale):
+    """Plain torch: gather each request's keys and values, masked softmax in float32."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_pool.shape[1]
+    q_ptr, kv_ptr = q_indptr.tolist(), kv_indptr.tolist()
+    for i in range(len(q_ptr) - 1):
+        qs, qe, ks, ke = q_ptr[i], q_ptr[i + 1], kv_ptr[i], kv_ptr[i + 1]
+        q_len, kv_len = qe - qs, ke - ks
+        if q_len == 0:
+            continue
+        slots = kv_indices[ks:ke].long()
+        k = k_pool[slots].float().repeat_interleave(group, dim=1)  # [kv, Hq, D]
+        v = v_pool[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), k) * sm_scale
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        allowed = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _ragged_attention_kernel(
+    Q, K, V, O, q_indptr, kv_indptr, kv_indices, sm_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    q_start = tl.load(q_indptr + req)
+    q_len = tl.load(q_indptr + req + 1) - q_start
+    if m_block * BLOCK_M < q_len:
+        kv_start = tl.load(kv_indptr + req)
+        kv_len = tl.load(kv_indptr + req + 1) - kv_start
+        prefix = kv_len - q_len
+        kv_head = head // GROUP
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m_valid = offs_m < q_len
+        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=m_valid[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        kv_end = tl.minimum(kv_len, prefix + (m_block + 1) * BLOCK_M)
+        for n in range(0, kv_end, BLOCK_N):
+            offs_n = n + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < kv_len
+            slot = tl.load(kv_indices + kv_start + offs_n, mask=n_valid, other=0).to(tl.int64)
+            k = tl.load(K + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                        mask=n_valid[None, :], other=0.0)
+            s = tl.dot(q, k).to(tl.float32) * sm_scale
+            visible = (offs_n[None, :] <= prefix + offs_m[:, None]) & n_valid[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=n_valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=m_valid[:, None])
+
+
+def ragged_paged_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale,
+                           max_q_len: int | None = None):
+    """Triton version of `ragged_paged_attention_reference` (same arguments)."""
+    num_tokens, num_heads, head_dim = q.shape
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two for the Triton kernel, got {head_dim}")
+    out = torch.empty_like(q)
+    batch = q_indptr.numel() - 1
+    if max_q_len is None:
+        max_q_len = int((q_indptr[1:] - q_indptr[:-1]).max()) if batch else 0
+    if batch == 0 or max_q_len == 0:
+        return out
+    block_m = 16 if max_q_len <= 16 else 64
+    block_n = 64 if head_dim <= 64 else 32
+    grid = (batch, num_heads, triton.cdiv(max_q_len, block_m))
+    _ragged_attention_kernel[grid](
+        q, k_pool, v_pool, out, q_indptr, kv_indptr, kv_indices, sm_scale,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+        v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
+        GROUP=num_heads // k_pool.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+    )
+    return out

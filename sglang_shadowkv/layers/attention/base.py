@@ -1,0 +1,63 @@
+"""The attention-backend interface and the per-step batch description it reads.
+
+A backend stores each layer's new keys and values into the KV pool and returns attention of the
+step's queries over everything the requests have cached. Full attention backends read the dense
+pool; the ShadowKV backend plugs in behind the same two calls.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
+
+
+@dataclass
+class ForwardBatch:
+    """One model step: each request brings its new tokens (a prefill chunk or one decode token)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T] pool slots receiving the new tokens' K/V
+    q_indptr: torch.Tensor  # [B+1] int32, new tokens per request
+    kv_indptr: torch.Tensor  # [B+1] int32, cached + new tokens per request
+    kv_indices: torch.Tensor  # [sum kv] int32 slots, each request's tokens in order
+    extend_lens: list[int]
+    seq_lens: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.extend_lens)
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """Index of each request's last new token in the flattened step."""
+        return (self.q_indptr[1:] - 1).long()
+
+
+class AttentionBackend(ABC):
+    def __init__(self, pool: PagedKVPool, num_heads: int, head_dim: int):
+        self.pool = pool
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.sm_scale = head_dim ** -0.5
+
+    def begin_step(self, batch: ForwardBatch) -> None:
+        """Per-step planning shared by all layers (index building, kernel plans)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (post-RoPE) -> attention output [T, Hq, D]."""
+        self.pool.set_kv(layer, batch.out_cache_loc, k, v)
+        return self.attend(q, layer, batch)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        ...

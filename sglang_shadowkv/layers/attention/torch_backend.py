@@ -1,0 +1,12 @@
+"""Reference attention in plain torch: runs anywhere, defines what the fast backends must equal."""
+
+from kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+from .base import AttentionBackend
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def attend(self, q, layer, batch):
+        return ragged_paged_attention_reference(
+            q, self.pool.k_buffers[layer], self.pool.v_buffers[layer],
+            batch.q_indptr, batch.kv_indptr, batch.kv_indices, self.sm_scale)

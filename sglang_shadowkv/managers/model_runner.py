@@ -1,0 +1,102 @@
+"""Owns the model, the KV pool and the attention backend; turns a scheduled step into logits."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sglang_shadowkv.layers.attention import ForwardBatch, create_attention_backend
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool
+from sglang_shadowkv.models.loader import load_model
+from sglang_shadowkv.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_POOL_TOKENS_PER_CONTEXT = 4  # CPU pool: this many full context windows
+
+
+@dataclass
+class StepItem:
+    """One request's share of a step: compute `num_new` tokens starting at position `start`."""
+    pool_row: int
+    token_ids: list[int]
+    start: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+def resolve_device(args: ServerArgs) -> torch.device:
+    if args.device:
+        return torch.device(args.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, args.dtype)
+
+
+def default_backend(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import flashinfer  # noqa: F401
+        return "flashinfer"
+    except ImportError:
+        return "triton"
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs):
+        self.device = resolve_device(args)
+        self.dtype = resolve_dtype(args, self.device)
+        self.loaded = load_model(args.model_path, self.dtype, self.device, args.context_length,
+                                 args.tokenizer_path)
+        self.config = cfg = self.loaded.config
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        self.context_length = cfg.context_length
+        page_size = args.page_size
+        bytes_per_token = 2 * cfg.num_layers * cfg.kv_dim * torch.empty((), dtype=self.dtype).element_size()
+        tokens = args.max_total_tokens or self._default_pool_tokens(args, bytes_per_token)
+        num_pages = max(2, tokens // page_size + 1)
+        self.pool = PagedKVPool(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads,
+                                cfg.head_dim, self.dtype, self.device)
+        self.req_to_token = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
+        self.backend_name = args.attention_backend or default_backend(self.device)
+        self.backend = create_attention_backend(self.backend_name, self.pool, cfg.num_heads, cfg.head_dim)
+        logger.info("KV pool: %d pages of %d tokens (%.1f MiB), backend %s", num_pages, page_size,
+                    num_pages * page_size * bytes_per_token / 2**20, self.backend_name)
+
+    def _default_pool_tokens(self, args: ServerArgs, bytes_per_token: int) -> int:
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_POOL_TOKENS_PER_CONTEXT * self.context_length
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * args.mem_fraction_static) // bytes_per_token
+
+    def build_batch(self, items: list[StepItem]) -> ForwardBatch:
+        dev = self.device
+        table = self.req_to_token.table
+        q_lens = [len(it.token_ids) for it in items]
+        seq_lens = [it.seq_len for it in items]
+        q_indptr = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        kv_indptr = torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        kv_indices = torch.cat([table[it.pool_row, :it.seq_len] for it in items])
+        out_cache_loc = torch.cat([table[it.pool_row, it.start:it.seq_len] for it in items]).long()
+        positions = torch.cat([torch.arange(it.start, it.seq_len) for it in items])
+        input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long)
+        return ForwardBatch(
+            input_ids=input_ids.to(dev), positions=positions.to(dev), out_cache_loc=out_cache_loc,
+            q_indptr=q_indptr.to(dev), kv_indptr=kv_indptr.to(dev), kv_indices=kv_indices,
+            extend_lens=q_lens, seq_lens=seq_lens)
+
+    def forward(self, items: list[StepItem]) -> torch.Tensor:
+        """Run one step; logits [len(items), vocab] of each item's last token."""
+        batch = self.build_batch(items)
+        self.backend.begin_step(batch)
+        return self.model(batch, self.backend)

@@ -1,0 +1,50 @@
+"""A request's life in the scheduler: its tokens, its pages, how far its KV is computed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang_shadowkv.mem_cache.radix_cache import TreeNode
+from sglang_shadowkv.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    # cache state
+    pool_row: int | None = None
+    pages: list[int] = field(default_factory=list)  # token i lives on pages[i // page_size]
+    last_node: TreeNode | None = None  # locked radix node of the matched prefix
+    cached_tokens: int = 0  # prompt tokens reused from the radix cache
+    num_computed: int = 0  # tokens whose K/V are in the pool
+    reserved_pages: int = 0  # pages promised at admission, not yet allocated
+    max_total_len: int = 0  # prompt + the most tokens it may generate
+    finish_reason: dict[str, Any] | None = None
+    created: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.num_computed >= len(self.input_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def pending_tokens(self) -> list[int]:
+        """Tokens whose K/V the next step must compute (a prompt chunk, or the last sampled token)."""
+        return self.all_ids[self.num_computed:]

@@ -1,0 +1,87 @@
+"""Dense paged KV pool and the request-to-token table.
+
+Pages hold `page_size` consecutive tokens of one request; token i of a request lives in slot
+pages[i // page_size] * page_size + i % page_size. Every request's KV layout is therefore a page
+list, which is what FlashInfer's paged kernels and the page-aligned radix cache both want.
+Page 0 is never handed out: its slots are the padding target for unused table entries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PoolExhaustedError(RuntimeError):
+    """Raised when a page allocation cannot be satisfied even after eviction."""
+
+
+class PagedKVPool:
+    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = torch.device(device)
+        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
+
+    @property
+    def capacity(self) -> int:
+        """Pages that can ever be allocated (all but the reserved page 0)."""
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def bytes_per_token(self) -> int:
+        k = self.k_buffers[0]
+        return 2 * len(self.k_buffers) * k.shape[1] * k.shape[2] * k.element_size()
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n free page ids, or None (nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        taken = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        return taken[::-1]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+    def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer][slots] = k
+        self.v_buffers[layer][slots] = v
+
+    def slots_of_pages(self, pages: list[int], num_tokens: int) -> torch.Tensor:
+        """Token slots of the first num_tokens tokens laid out on `pages`."""
+        p = torch.tensor(pages, dtype=torch.int64)
+        slots = (p[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
+        return slots[:num_tokens]
+
+
+class ReqToTokenPool:
+    """Rows of token slots, one row per running request (the page table at token granularity)."""
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device | str):
+        self.table = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
+        self._free = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        self._free.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start:start + slots.numel()] = slots.to(self.table.device, torch.int32)

@@ -1,0 +1,170 @@
+"""Page-aligned radix tree from token prefixes to the KV pages that hold them.
+
+Every node's span is a whole number of pages, so a matched prefix is a page list a new request can
+use as is, and a split always falls on a page boundary. Nodes on a running request's path are
+locked; eviction frees unlocked leaves in least-recently-used order. The tree knows nothing of
+models: it stores page ids and hands freed ones back through `free_pages`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+
+class TreeNode:
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple[int, ...] = (), pages: list[int] | None = None,
+                 parent: "TreeNode | None" = None):
+        self.key = key
+        self.pages = pages or []
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+
+
+@dataclass
+class PrefixMatch:
+    pages: list[int]
+    node: TreeNode  # deepest node of the match: lock it while the pages are in use
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+
+class RadixCache:
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]):
+        self.page_size = page_size
+        self._free_pages = free_pages
+        self._clock = itertools.count(1)
+        self.reset_state()
+
+    def reset_state(self) -> None:
+        self.root = TreeNode()
+        self.root.lock_ref = 1  # the root is never evicted
+        self.total_pages = 0
+        self.evictable_pages = 0
+
+    # ---- lookup -------------------------------------------------------------------------------
+    def match_prefix(self, tokens: list[int]) -> PrefixMatch:
+        """Longest cached whole-page prefix of tokens."""
+        ps, node, pos, pages = self.page_size, self.root, 0, []
+        now = next(self._clock)
+        node.last_access = now
+        while pos + ps <= len(tokens):
+            child = node.children.get(tuple(tokens[pos:pos + ps]))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, pos) * ps
+            partial = n < len(child.key)
+            if partial:
+                child = self._split(child, n)
+            child.last_access = now
+            pages.extend(child.pages)
+            pos += n
+            node = child
+            if partial:
+                break
+        return PrefixMatch(pages, node)
+
+    def _common_pages(self, key: tuple[int, ...], tokens: list[int], pos: int) -> int:
+        ps, n = self.page_size, 0
+        limit = min(len(key), len(tokens) - pos) // ps
+        while n < limit and tuple(tokens[pos + n * ps:pos + (n + 1) * ps]) == key[n * ps:(n + 1) * ps]:
+            n += 1
+        return n
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut child after n tokens; the new upper node takes child's place under its parent."""
+        upper = TreeNode(child.key[:n], child.pages[:n // self.page_size], child.parent)
+        upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        child.parent.children[child.key[:self.page_size]] = upper
+        child.key, child.pages, child.parent = child.key[n:], child.pages[n // self.page_size:], upper
+        upper.children[child.key[:self.page_size]] = child
+        return upper
+
+    # ---- insert -------------------------------------------------------------------------------
+    def insert(self, tokens: list[int], pages: list[int]) -> int:
+        """Cache pages for the whole-page prefix of tokens.
+
+        Returns how many leading pages were already in the tree: the caller's own copies of those
+        pages (where they differ from the tree's) are duplicates it must free.
+        """
+        ps = self.page_size
+        n_pages = min(len(tokens) // ps, len(pages))
+        match = self.match_prefix(tokens[:n_pages * ps])
+        present = match.num_pages
+        if present < n_pages:
+            node = TreeNode(tuple(tokens[present * ps:n_pages * ps]), list(pages[present:n_pages]),
+                            match.node)
+            node.last_access = next(self._clock)
+            match.node.children[node.key[:ps]] = node
+            added = n_pages - present
+            self.total_pages += added
+            self.evictable_pages += added
+        return present
+
+    # ---- locking ------------------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError("radix cache: unlock of a node that is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_pages += len(node.pages)
+            node = node.parent
+
+    # ---- eviction -----------------------------------------------------------------------------
+    def evict(self, num_pages: int) -> int:
+        """Free at least num_pages pages from unlocked leaves, oldest first; returns pages freed."""
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            self._free_pages(node.pages)
+            freed += len(node.pages)
+            self.total_pages -= len(node.pages)
+            self.evictable_pages -= len(node.pages)
+            parent = node.parent
+            del parent.children[node.key[:self.page_size]]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def flush(self) -> bool:
+        """Drop every cached page; refused (False) while any request holds a lock."""
+        if self.evictable_pages != self.total_pages:
+            return False
+        self.evict(self.total_pages)
+        self.reset_state()
+        return True
+
+    def _leaves(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                yield node
+
+    def num_nodes(self) -> int:
+        count, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(node.children.values())
+        return count - 1

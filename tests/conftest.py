@@ -1,0 +1,28 @@
+"""Shared fixtures. Triton kernels run under the interpreter when there is no GPU."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The embedded model with dense attention, shared by the CPU end-to-end tests."""
+    from sglang_shadowkv import Engine
+
+    eng = Engine(max_total_tokens=16384, chunked_prefill_size=512)
+    yield eng
+    eng.shutdown()
+
+
+def assert_pool_clean(engine) -> None:
+    """Every page is either free or held by the radix tree: nothing leaked to dead requests."""
+    mem = engine.get_server_info()["memory"]
+    assert mem["running_request_pages"] == 0 and mem["reserved_pages"] == 0
+    assert mem["free_pages"] + mem["tree_pages"] == mem["total_pages"]
+    assert mem["evictable_pages"] == mem["tree_pages"]

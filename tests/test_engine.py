@@ -1,0 +1,160 @@
+"""End to end on the embedded SmolLM2-135M (CPU): equal to transformers, prefix reuse, batching,
+chunked prefill, stop conditions, and clear errors that leak nothing."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import assert_pool_clean
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):\n    ",
+    "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Water boils at a temperature of",
+]
+GREEDY = {"max_new_tokens": 32, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def hf_model(engine):
+    from transformers import AutoModelForCausalLM
+
+    path = engine.get_server_info()["model_path"]
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+def test_greedy_matches_transformers(engine, hf_model):
+    outs = engine.generate(PROMPTS, GREEDY)
+    eos = engine.scheduler.runner.config.eos_token_ids
+    for prompt, out in zip(PROMPTS, outs):
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                    eos_token_id=eos, pad_token_id=eos[0])[0, len(ids):].tolist()
+        assert out["output_ids"] == ref, prompt
+    assert_pool_clean(engine)
+
+
+def test_shared_prefix_is_reused_and_output_unchanged(engine):
+    doc = " ".join(f"Fact {i}: the item number {i} is colored {['red', 'blue', 'green'][i % 3]}."
+                   for i in range(40))
+    q1, q2 = doc + " Question: what color is item 7?", doc + " Question: what color is item 12?"
+    engine.flush_cache()
+    alone = engine.generate(q2, GREEDY)
+    engine.flush_cache()
+    engine.generate(q1, GREEDY)
+    shared = engine.generate(q2, GREEDY)
+    ids1 = engine.tokenizer.encode(q1, add_special_tokens=False)
+    ids2 = engine.tokenizer.encode(q2, add_special_tokens=False)
+    common = next(i for i, (a, b) in enumerate(zip(ids1, ids2)) if a != b)
+    page = engine.server_args.page_size
+    assert shared["meta_info"]["cached_tokens"] == common // page * page
+    assert shared["meta_info"]["cached_tokens"] > 300
+    assert alone["meta_info"]["cached_tokens"] == 0
+    assert shared["output_ids"] == alone["output_ids"]
+    assert_pool_clean(engine)
+
+
+def test_batch_equals_one_by_one(engine):
+    prompts = [PROMPTS[0], PROMPTS[1] * 6, PROMPTS[2], PROMPTS[4] * 3]
+    engine.flush_cache()
+    batched = engine.generate(prompts, GREEDY)
+    singles = []
+    for p in prompts:
+        engine.flush_cache()
+        singles.append(engine.generate(p, GREEDY))
+    assert [o["output_ids"] for o in batched] == [o["output_ids"] for o in singles]
+    assert_pool_clean(engine)
+
+
+def test_chunked_prefill_equals_one_pass():
+    from sglang_shadowkv import Engine
+
+    long_prompt = PROMPTS[4] * 20  # ~300 tokens
+    small = Engine(max_total_tokens=2048, chunked_prefill_size=37, page_size=4)
+    try:
+        chunked = small.generate(long_prompt, GREEDY)["output_ids"]
+    finally:
+        small.shutdown()
+    big = Engine(max_total_tokens=2048, chunked_prefill_size=4096)
+    try:
+        assert big.generate(long_prompt, GREEDY)["output_ids"] == chunked
+    finally:
+        big.shutdown()
+
+
+def test_stop_conditions(engine):
+    base = engine.generate(PROMPTS[1], GREEDY)
+    word = base["text"].split()[3]
+    out = engine.generate(PROMPTS[1], {**GREEDY, "stop": [word]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": word}
+    assert word not in out["text"] and base["text"].startswith(out["text"])
+    tok = base["output_ids"][5]
+    out = engine.generate(PROMPTS[1], {**GREEDY, "stop_token_ids": [tok]})
+    assert out["output_ids"] == base["output_ids"][:6]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
+    out = engine.generate(PROMPTS[1], {**GREEDY, "max_new_tokens": 3})
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert out["output_ids"] == base["output_ids"][:3]
+    out = engine.generate(PROMPTS[1], {**GREEDY, "max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["meta_info"]["completion_tokens"] == 0
+    assert_pool_clean(engine)
+
+
+def test_sampling_is_seeded(engine):
+    params = {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.9, "sampling_seed": 11}
+    a = engine.generate(PROMPTS[0], params)["output_ids"]
+    b = engine.generate(PROMPTS[0], params)["output_ids"]
+    assert a == b
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prompt": ""}, "empty"),
+    ({"prompt": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"prompt": "hi", "sampling_params": {"temprature": 0.5}}, "temprature"),
+    ({"prompt": "word " * 9000}, "context length"),
+    ({"input_ids": [1, 2, 10**9]}, "input_ids"),
+    ({"prompt": ["fine", ""]}, "empty"),
+    ({"prompt": ["fine", "word " * 9000]}, "context length"),
+])
+def test_bad_input_raises_and_leaks_nothing(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**kwargs)
+    assert not engine.scheduler.has_work
+    assert_pool_clean(engine)
+
+
+def test_huge_max_new_tokens_is_capped_by_context(engine):
+    first = engine.generate("hi", GREEDY)["output_ids"][0]
+    out = engine.generate("hi", {"max_new_tokens": 10**6, "temperature": 0, "stop_token_ids": [first]})
+    assert out["output_ids"] == [first]
+    assert_pool_clean(engine)
+
+
+def test_pool_too_small_is_a_clear_error():
+    from sglang_shadowkv import Engine
+
+    tiny = Engine(max_total_tokens=64)
+    try:
+        with pytest.raises(ValueError, match="max_total_tokens"):
+            tiny.generate("hello there", {"max_new_tokens": 100})
+        assert tiny.generate("hello", {"max_new_tokens": 4, "temperature": 0})["output_ids"]
+        assert_pool_clean(tiny)
+    finally:
+        tiny.shutdown()
+
+
+def test_engine_arguments_are_checked():
+    from sglang_shadowkv import Engine
+
+    with pytest.raises(TypeError, match="bogus_flag"):
+        Engine(bogus_flag=1)
+    with pytest.raises(ValueError, match="attention"):
+        Engine(attention="sparse")
+    with pytest.raises(ValueError, match="page_size"):
+        Engine(page_size=0)

@@ -1,0 +1,115 @@
+"""Property tests of the paged pool and the radix cache under random request traffic."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
+from sglang_shadowkv.mem_cache.radix_cache import RadixCache
+
+PAGE = 4
+
+
+def make(num_pages=40):
+    pool = PagedKVPool(num_pages, PAGE, 1, 1, 2, dtype=__import__("torch").float32, device="cpu")
+    return pool, RadixCache(PAGE, pool.free)
+
+
+def check(pool, tree, running):
+    held = sum(len(r["own"]) for r in running)
+    assert tree.total_pages + pool.num_free + held == pool.capacity
+    assert 0 <= tree.evictable_pages <= tree.total_pages
+    all_pages = [p for r in running for p in r["own"]] + pool._free + _tree_pages(tree)
+    assert len(all_pages) == len(set(all_pages)) == pool.capacity  # no page in two places
+
+
+def _tree_pages(tree):
+    out, stack = [], [tree.root]
+    while stack:
+        n = stack.pop()
+        out.extend(n.pages)
+        stack.extend(n.children.values())
+    return out
+
+
+seqs = st.lists(st.integers(0, 2), min_size=1, max_size=30)  # small alphabet: many shared prefixes
+ops = st.lists(st.tuples(st.sampled_from(["start", "finish", "evict"]), seqs, st.integers(0, 8)),
+               max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_pages_are_always_in_tree_running_or_free(operations):
+    pool, tree = make()
+    running = []
+    for op, tokens, n in operations:
+        if op == "start":
+            m = tree.match_prefix(tokens)
+            assert m.num_pages * PAGE <= len(tokens)
+            tree.lock(m.node)
+            need = -(-len(tokens) // PAGE) - m.num_pages
+            if pool.num_free < need:
+                tree.evict(need - pool.num_free)
+            own = pool.alloc(need)
+            if own is None:
+                tree.unlock(m.node)
+                continue
+            running.append({"tokens": tokens, "matched": list(m.pages), "own": own, "node": m.node})
+        elif op == "finish" and running:
+            r = running.pop(n % len(running))
+            pages = r["matched"] + r["own"]
+            whole = len(r["tokens"]) // PAGE
+            present = tree.insert(r["tokens"], pages[:whole])
+            k = len(r["matched"])
+            pool.free(pages[k:present] + pages[whole:])
+            tree.unlock(r["node"])
+            r["own"] = []
+            # what was inserted is now found again
+            assert tree.match_prefix(r["tokens"]).num_pages == whole
+        elif op == "evict":
+            before = tree.evictable_pages
+            freed = tree.evict(n)
+            assert freed >= min(n, before) or tree.evictable_pages == 0
+        check(pool, tree, running)
+    for r in running:
+        tree.unlock(r["node"])
+        pool.free(r["own"])
+        r["own"] = []
+    running.clear()
+    assert tree.flush()
+    assert pool.num_free == pool.capacity
+
+
+def test_split_keeps_pages_and_matches_both_halves():
+    pool, tree = make()
+    toks = list(range(12))
+    pages = pool.alloc(3)
+    assert tree.insert(toks, pages) == 0
+    m = tree.match_prefix(toks[:8] + [99, 99, 99, 99])
+    assert m.pages == pages[:2]
+    assert tree.num_nodes() == 2  # split at the page boundary
+    assert tree.match_prefix(toks).pages == pages
+
+
+def test_locked_nodes_are_not_evicted():
+    pool, tree = make()
+    a, b = pool.alloc(2), pool.alloc(2)
+    tree.insert([1] * 8, a)
+    tree.insert([2] * 8, b)
+    m = tree.match_prefix([1] * 8)
+    tree.lock(m.node)
+    assert tree.evict(100) == 2
+    assert tree.match_prefix([1] * 8).pages == a
+    assert not tree.flush()  # a request still holds a lock
+    tree.unlock(m.node)
+    assert tree.flush() and pool.num_free == pool.capacity
+
+
+def test_lru_evicts_oldest_first():
+    pool, tree = make()
+    old, new = pool.alloc(1), pool.alloc(1)
+    tree.insert([5] * 4, old)
+    tree.insert([6] * 4, new)
+    tree.match_prefix([6] * 4)  # touch the newer one again
+    tree.evict(1)
+    assert tree.match_prefix([5] * 4).num_pages == 0
+    assert tree.match_prefix([6] * 4).pages == new
