@@ -36,6 +36,23 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.extend_lens)
 
+    def page_table(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's KV as pages (FlashInfer's layout): page_indptr [B+1], page_ids, last_page_len.
+
+        A request's token i lives on its page i // page_size at offset i % page_size, so its page
+        ids are the slots of every page_size-th token divided by page_size.
+        """
+        seq_lens = torch.tensor(self.seq_lens, dtype=torch.int64)
+        pages = (seq_lens + page_size - 1) // page_size
+        page_indptr = torch.zeros(len(self.seq_lens) + 1, dtype=torch.int32)
+        page_indptr[1:] = pages.cumsum(0)
+        starts = torch.repeat_interleave(self.kv_indptr[:-1].long().cpu(), pages)
+        within = torch.arange(int(pages.sum())) - torch.repeat_interleave(page_indptr[:-1].long(), pages)
+        first_slots = (starts + within * page_size).to(self.kv_indices.device)
+        page_ids = (self.kv_indices.long()[first_slots] // page_size).int()
+        last_page_len = (seq_lens - (pages - 1) * page_size).int()
+        return page_indptr, page_ids, last_page_len
+
     @property
     def last_token_index(self) -> torch.Tensor:
         """Index of each request's last new token in the flattened step."""

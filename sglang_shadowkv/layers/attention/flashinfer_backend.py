@@ -24,29 +24,17 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def begin_step(self, batch: ForwardBatch) -> None:
         ps = self.pool.page_size
-        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
-        pages_per_req = (seq_lens + ps - 1) // ps
-        page_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
-        page_indptr[1:] = pages_per_req.cumsum(0)
-        # A request's first slot of each page is page * page_size: take every page_size-th slot.
-        starts = batch.kv_indptr[:-1].long().cpu()
-        first_slots = torch.cat([torch.arange(s, s + n * ps, ps) for s, n in
-                                 zip(starts.tolist(), pages_per_req.tolist())])
-        page_ids = (batch.kv_indices.long()[first_slots.to(batch.kv_indices.device)] // ps).int()
-        last_len = (seq_lens - (pages_per_req - 1) * ps).int()
-        dev = self.pool.device
+        page_indptr, page_ids, last_len = batch.page_table(ps)  # indptrs on the host: no sync
         kv_dtype = self.pool.k_buffers[0].dtype
-        heads = dict(num_qo_heads=self.num_heads, num_kv_heads=self.pool.k_buffers[0].shape[1])
+        num_kv_heads = self.pool.k_buffers[0].shape[1]
         self._use_decode = batch.is_decode
         if self._use_decode:
-            self._decode.plan(page_indptr.to(dev), page_ids, last_len.to(dev),
-                              heads["num_qo_heads"], heads["num_kv_heads"], self.head_dim, ps,
-                              pos_encoding_mode="NONE", q_data_type=kv_dtype,
+            self._decode.plan(page_indptr, page_ids, last_len, self.num_heads, num_kv_heads,
+                              self.head_dim, ps, pos_encoding_mode="NONE", q_data_type=kv_dtype,
                               kv_data_type=kv_dtype, sm_scale=self.sm_scale)
         else:
-            self._prefill.plan(batch.q_indptr.to(dev), page_indptr.to(dev), page_ids,
-                               last_len.to(dev), heads["num_qo_heads"], heads["num_kv_heads"],
-                               self.head_dim, ps, causal=True, sm_scale=self.sm_scale,
+            self._prefill.plan(batch.q_indptr.cpu(), page_indptr, page_ids, last_len, self.num_heads,
+                               num_kv_heads, self.head_dim, ps, causal=True, sm_scale=self.sm_scale,
                                q_data_type=kv_dtype, kv_data_type=kv_dtype)
 
     def attend(self, q, layer, batch):
