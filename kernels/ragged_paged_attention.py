@@ -74,7 +74,8 @@ def _ragged_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                         mask=n_valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            # p stays float32 (a tf32 product on GPU): rounding it to bf16 costs ~1e-2 of logit accuracy
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
