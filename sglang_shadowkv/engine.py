@@ -108,6 +108,7 @@ class Engine:
             "dtype": str(runner.dtype).removeprefix("torch."),
             "context_length": runner.context_length,
             "memory": self.scheduler.memory_stats(),
+            "shadowkv": self.scheduler.shadowkv_stats(),
             "stats": dict(self.scheduler.stats),
             "time": time.time(),
         }

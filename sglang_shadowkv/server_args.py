@@ -10,7 +10,10 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from sglang_shadowkv.shadowkv.config import ShadowKVConfig
+
 ATTENTION_MODES = ("full", "shadowkv")
+_SKV = ShadowKVConfig()  # the ShadowKV defaults live in one place
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -33,6 +36,18 @@ class ServerArgs:
     port: int = 30000
     log_level: str = "warning"
     show_progress: bool = False  # progress bar over a generate() call
+    # ShadowKV (used with attention="shadowkv"); meanings in shadowkv/config.py
+    shadowkv_rank: int | None = _SKV.rank
+    shadowkv_rank_energy: float | None = _SKV.rank_energy
+    shadowkv_chunk_size: int = _SKV.chunk_size
+    shadowkv_outliers: int = _SKV.outliers
+    shadowkv_budget: float = _SKV.budget
+    shadowkv_min_budget_chunks: int = _SKV.min_budget_chunks
+    shadowkv_local_window: int = _SKV.local_window
+    shadowkv_min_context: int = _SKV.min_context
+    shadowkv_lowrank_method: str = _SKV.lowrank_method
+    shadowkv_host_tokens: int | None = _SKV.host_tokens
+    shadowkv_max_requests: int = _SKV.max_requests
 
     def __post_init__(self) -> None:
         self.validate()
@@ -54,6 +69,10 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        cfg = ShadowKVConfig.from_server_args(self)
+        if self.page_size % cfg.chunk_size and cfg.chunk_size % self.page_size:
+            raise ValueError(f"shadowkv_chunk_size ({cfg.chunk_size}) and page_size ({self.page_size}) "
+                             "must divide one another")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "ServerArgs":
@@ -72,6 +91,17 @@ class ServerArgs:
             "attention_backend": "torch (reference), triton, flashinfer (default: best available)",
             "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
             "chunked_prefill_size": "most prompt tokens prefilled in one step",
+            "shadowkv_rank": "low-rank key dims (default: 160 per 1024 key dims, the paper's ratio)",
+            "shadowkv_rank_energy": "per layer, least rank keeping this energy fraction (capped by rank)",
+            "shadowkv_chunk_size": "tokens per chunk: one landmark, one unit of selection",
+            "shadowkv_outliers": "chunks per KV head kept dense on the GPU",
+            "shadowkv_budget": "chunks selected per step, as a fraction of the context",
+            "shadowkv_min_budget_chunks": "floor of the selection budget in chunks",
+            "shadowkv_local_window": "most recent prompt tokens kept dense",
+            "shadowkv_min_context": "prompts shorter than this stay dense",
+            "shadowkv_lowrank_method": "eigh (Gram matrix) or svd",
+            "shadowkv_host_tokens": "capacity of the compressed pools (host values) in tokens",
+            "shadowkv_max_requests": "requests decoding from compressed state at once",
         }
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")

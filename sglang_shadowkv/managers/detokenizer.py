@@ -27,6 +27,7 @@ def output_dict(tokenizer, req: Req) -> dict:
         "cached_tokens": req.cached_tokens,
         "finish_reason": req.finish_reason,
         "ttft": None if now is None else now - req.created,
+        "shadowkv": req.shadowkv_info or {"compressed_tokens": 0},
     }
     if req.return_logprob:
         meta["output_token_logprobs"] = [

@@ -8,13 +8,18 @@ from dataclasses import dataclass
 import torch
 
 from sglang_shadowkv.layers.attention import ForwardBatch, create_attention_backend
+from sglang_shadowkv.layers.attention.shadowkv_backend import ShadowKVAttentionBackend
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool
+from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
 from sglang_shadowkv.models.loader import load_model
 from sglang_shadowkv.server_args import ServerArgs
+from sglang_shadowkv.shadowkv.config import ShadowKVConfig
+from sglang_shadowkv.shadowkv.decode import SparseDecoder
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_POOL_TOKENS_PER_CONTEXT = 4  # CPU pool: this many full context windows
+DEFAULT_HOST_TOKENS_PER_CONTEXT = 4  # ShadowKV pools: this many full context windows
 
 
 @dataclass
@@ -23,6 +28,7 @@ class StepItem:
     pool_row: int
     token_ids: list[int]
     start: int
+    shadow: object | None = None  # the request's ShadowReqState when attention="shadowkv"
 
     @property
     def seq_len(self) -> int:
@@ -62,6 +68,9 @@ class ModelRunner:
         self.tokenizer = self.loaded.tokenizer
         self.context_length = cfg.context_length
         page_size = args.page_size
+        self.shadow_cfg = self.shadow_pool = self.decoder = None
+        if args.attention == "shadowkv":  # before the dense pool, which takes what memory is left
+            self._build_shadowkv(args)
         bytes_per_token = 2 * cfg.num_layers * cfg.kv_dim * torch.empty((), dtype=self.dtype).element_size()
         tokens = args.max_total_tokens or self._default_pool_tokens(args, bytes_per_token)
         num_pages = max(2, tokens // page_size + 1)
@@ -70,8 +79,23 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
         self.backend_name = args.attention_backend or default_backend(self.device)
         self.backend = create_attention_backend(self.backend_name, self.pool, cfg.num_heads, cfg.head_dim)
+        if self.shadow_cfg is not None:
+            self.backend = ShadowKVAttentionBackend(self.backend, self.shadow_pool, self.shadow_cfg,
+                                                    self.model.rotary, self.req_to_token, self.decoder)
         logger.info("KV pool: %d pages of %d tokens (%.1f MiB), backend %s", num_pages, page_size,
                     num_pages * page_size * bytes_per_token / 2**20, self.backend_name)
+
+    def _build_shadowkv(self, args: ServerArgs) -> None:
+        cfg, skv = self.config, ShadowKVConfig.from_server_args(args)
+        host_tokens = skv.host_tokens or DEFAULT_HOST_TOKENS_PER_CONTEXT * self.context_length
+        self.shadow_cfg = skv
+        self.shadow_pool = ShadowKVPool(
+            num_chunk_slots=host_tokens // skv.chunk_size, max_segments=skv.max_requests,
+            max_outliers=skv.outliers, chunk_size=skv.chunk_size, num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_rank=skv.max_rank(cfg.kv_dim),
+            dtype=self.dtype, device=self.device)
+        self.decoder = SparseDecoder(self.shadow_pool, skv, self.model.rotary, skv.max_requests,
+                                     self.context_length // skv.chunk_size, self.device.type == "cuda")
 
     def _default_pool_tokens(self, args: ServerArgs, bytes_per_token: int) -> int:
         if self.device.type != "cuda":
@@ -93,7 +117,8 @@ class ModelRunner:
         return ForwardBatch(
             input_ids=input_ids.to(dev), positions=positions.to(dev), out_cache_loc=out_cache_loc,
             q_indptr=q_indptr.to(dev), kv_indptr=kv_indptr.to(dev), kv_indices=kv_indices,
-            extend_lens=q_lens, seq_lens=seq_lens)
+            extend_lens=q_lens, seq_lens=seq_lens, pool_rows=[it.pool_row for it in items],
+            shadow=[it.shadow for it in items])
 
     def forward(self, items: list[StepItem]) -> torch.Tensor:
         """Run one step; logits [len(items), vocab] of each item's last token."""

@@ -29,6 +29,8 @@ class Req:
     num_computed: int = 0  # tokens whose K/V are in the pool
     reserved_pages: int = 0  # pages promised at admission, not yet allocated
     max_total_len: int = 0  # prompt + the most tokens it may generate
+    shadow: Any = None  # ShadowReqState when the prompt is compressed (attention="shadowkv")
+    shadowkv_info: dict | None = None  # the request's ShadowKV memory report, set when it finishes
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

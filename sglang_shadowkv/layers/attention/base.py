@@ -7,6 +7,7 @@ pool; the ShadowKV backend plugs in behind the same two calls.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ class ForwardBatch:
     kv_indices: torch.Tensor  # [sum kv] int32 slots, each request's tokens in order
     extend_lens: list[int]
     seq_lens: list[int]
+    pool_rows: list[int] | None = None  # each request's row of the request-to-token table
+    shadow: list | None = None  # each request's ShadowReqState (None: plain dense request)
 
     @property
     def batch_size(self) -> int:
@@ -52,6 +55,28 @@ class ForwardBatch:
         page_ids = (self.kv_indices.long()[first_slots] // page_size).int()
         last_page_len = (seq_lens - (pages - 1) * page_size).int()
         return page_indptr, page_ids, last_page_len
+
+    def subset(self, requests: list[int]) -> tuple["ForwardBatch", torch.Tensor]:
+        """The step restricted to some requests, and the rows of their tokens in the full step."""
+        q_starts = [0] + list(itertools.accumulate(self.extend_lens))
+        kv_starts = [0] + list(itertools.accumulate(self.seq_lens))
+        token_rows = torch.cat([torch.arange(q_starts[i], q_starts[i + 1]) for i in requests])
+        kv_rows = torch.cat([torch.arange(kv_starts[i], kv_starts[i + 1]) for i in requests])
+        extend = [self.extend_lens[i] for i in requests]
+        seq = [self.seq_lens[i] for i in requests]
+        dev = self.q_indptr.device
+        token_rows, kv_rows = token_rows.to(dev), kv_rows.to(self.kv_indices.device)
+
+        def indptr(lens):
+            return torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+
+        sub = ForwardBatch(
+            input_ids=self.input_ids[token_rows], positions=self.positions[token_rows],
+            out_cache_loc=self.out_cache_loc[token_rows.to(self.out_cache_loc.device)],
+            q_indptr=indptr(extend), kv_indptr=indptr(seq), kv_indices=self.kv_indices[kv_rows],
+            extend_lens=extend, seq_lens=seq,
+            pool_rows=None if self.pool_rows is None else [self.pool_rows[i] for i in requests])
+        return sub, token_rows
 
     @property
     def last_token_index(self) -> torch.Tensor:

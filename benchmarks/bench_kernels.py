@@ -1,0 +1,295 @@
+"""ShadowKV kernels and one decode layer on the GPU, side by side with their physical limits.
+
+Llama-3.1-8B-shaped attention (32 query heads, 8 KV heads, head dim 128, bf16), chunk 8, rank 160,
+48 outliers, 256 selected chunks per KV head (the paper's defaults):
+  1. value gather from pinned host memory (UVA) against a pinned host-to-device copy, same run;
+  2. key rebuild hidden behind the value gather (two streams): overlap ratio;
+  3. one decode layer: ShadowKV (scores, top-k, chunk cache, rebuild + fetch, sparse attention)
+     against full attention (FlashInfer decode if importable, else the Triton paged kernel) at
+     32K and 128K context, batch 1..48, with the chunk-cache hit rate of drifting queries;
+  4. prefill compression of one layer against the dense prefill of that layer (32K, 128K), and
+     eigh-vs-SVD agreement of the reconstructed keys.
+Prints one table per part; writes JSON to $OUT/bench_kernels.json (or --out).
+
+    python benchmarks/bench_kernels.py            # on the GPU
+    python benchmarks/bench_kernels.py --smoke    # tiny sizes, any device (checks the script runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kernels.gather_values import gather_values
+from kernels.ragged_paged_attention import ragged_paged_attention
+from kernels.rebuild_keys import rebuild_keys
+from sglang_shadowkv.layers.rotary import RotaryEmbedding
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
+from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+from sglang_shadowkv.shadowkv.compress import compress_layer, low_rank_basis
+from sglang_shadowkv.shadowkv.config import ShadowKVConfig
+from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
+
+HQ, HKV, D, CHUNK, RANK = 32, 8, 128, 8, 160
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+DT = torch.bfloat16 if CUDA else torch.float32
+
+
+def timeit(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() (CUDA events on the GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if CUDA:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# ---- 1 + 2: gather bandwidth and rebuild overlap ---------------------------------------------------
+def bandwidth_and_overlap(num_slots: int, batch: int, entries: int) -> dict:
+    host = torch.randn(num_slots, HKV, CHUNK, D, dtype=DT).pin_memory() if CUDA else \
+        torch.randn(num_slots, HKV, CHUNK, D, dtype=DT)
+    gen = torch.Generator().manual_seed(0)
+    jobs = torch.stack([torch.randperm(num_slots - 1, generator=gen)[:entries] + 1
+                        for _ in range(batch * HKV)]).view(batch, HKV, entries).to(DEV)
+    rows = torch.arange(batch, dtype=torch.int32, device=DEV)
+    scratch_v = torch.empty(batch, HKV, entries, CHUNK, D, dtype=DT, device=DEV)
+    moved = jobs.numel() * CHUNK * D * host.element_size()
+    dst = torch.empty(moved // host.element_size(), dtype=DT, device=DEV)
+    src = host.view(-1)[:dst.numel()]
+    t_copy = timeit(lambda: dst.copy_(src, non_blocking=True))
+    # key rebuild of the same jobs, alone and concurrent with the gather on a second stream
+    a_rows = torch.randn(num_slots * CHUNK, RANK, dtype=DT, device=DEV)
+    basis = torch.randn(1, RANK, HKV * D, dtype=DT, device=DEV) / RANK ** 0.5
+    rotary = RotaryEmbedding(D, 500000.0, num_slots * CHUNK).to(DEV)
+    chunk_pos = (torch.arange(num_slots, device=DEV) * CHUNK).int()
+    chunk_basis = torch.zeros(num_slots, dtype=torch.int32, device=DEV)
+    scratch_k = torch.empty_like(scratch_v)
+
+    def rebuild():
+        rebuild_keys(a_rows, basis, rotary.cos_cache, rotary.sin_cache, chunk_pos, chunk_basis, jobs,
+                     scratch_k, rows, CHUNK)
+
+    t_rebuild = timeit(rebuild)
+    side = torch.cuda.Stream() if CUDA else None
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count if CUDA else 1
+    grids = []
+    for programs in (sms // 2, sms, 2 * sms, 4 * sms, 16 * sms):
+        def gather():
+            gather_values(host, jobs, scratch_v, rows, programs=programs)
+
+        def both():
+            if side is None:
+                gather()
+                rebuild()
+                return
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                gather()
+            rebuild()
+            torch.cuda.current_stream().wait_stream(side)
+
+        t_gather, t_both = timeit(gather), timeit(both)
+        grids.append({"programs": programs, "gather_GBps": moved / t_gather / 1e9,
+                      "gather_vs_copy": t_copy / t_gather, "gather_ms": t_gather * 1e3,
+                      "both_two_streams_ms": t_both * 1e3,
+                      "rebuild_hidden_fraction": max(0.0, min(1.0, (t_rebuild + t_gather - t_both) / t_rebuild))})
+    scratch_v.fill_(0)
+    gather_values(host, jobs, scratch_v, rows)
+    ok = torch.equal(scratch_v[1, 3, 5].cpu(), host[jobs[1, 3, 5].item(), 3])
+    best = grids[2]  # the default grid: two programs per SM
+    return {"chunks_moved": jobs.numel(), "bytes": moved, "pinned_h2d_copy_GBps": moved / t_copy / 1e9,
+            "rebuild_ms": t_rebuild * 1e3, "gather_correct": ok, **best, "by_grid": grids}
+
+
+# ---- 3: one decode layer -----------------------------------------------------------------------------
+def full_attention_fn(batch: int, context: int, kv_pool: PagedKVPool, q: torch.Tensor):
+    """Full attention over `context` cached tokens per request (FlashInfer if present)."""
+    pages_per_req = context // kv_pool.page_size
+    page_ids = torch.arange(1, 1 + batch * pages_per_req, dtype=torch.int32, device=DEV)
+    try:
+        import flashinfer
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(256 << 20, dtype=torch.uint8, device=DEV), "NHD")
+        indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_req  # host: no sync in plan
+        last = torch.full((batch,), kv_pool.page_size, dtype=torch.int32)
+        wrapper.plan(indptr, page_ids, last, HQ, HKV, D, kv_pool.page_size, pos_encoding_mode="NONE",
+                     q_data_type=DT, kv_data_type=DT, sm_scale=D ** -0.5)
+        shape = (-1, kv_pool.page_size, HKV, D)
+        kv = (kv_pool.k_buffers[0].view(shape), kv_pool.v_buffers[0].view(shape))
+        return "flashinfer", lambda: wrapper.run(q, kv)
+    except ImportError:
+        slots = (page_ids.long()[:, None] * kv_pool.page_size + torch.arange(kv_pool.page_size, device=DEV)).flatten().int()
+        q_indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+        kv_indptr = q_indptr * context
+        return "triton", lambda: ragged_paged_attention(q, kv_pool.k_buffers[0], kv_pool.v_buffers[0], q_indptr,
+                                                        kv_indptr, slots, D ** -0.5, max_q_len=1)
+
+
+def decode_layer(context: int, batches: list[int], steps: int, window: int) -> list[dict]:
+    max_b = max(batches)
+    cfg = ShadowKVConfig(rank=RANK, outliers=48, budget=min(1.0, 256 / (context // CHUNK)), min_budget_chunks=1,
+                         max_requests=max_b)
+    n = context // CHUNK
+    store = ShadowKVPool(max_b * n, max_b, cfg.outliers, CHUNK, 1, HKV, D, RANK, DT, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    store.a_rows[0].normal_(generator=gen)
+    store.basis[0].normal_(generator=gen).mul_(RANK ** -0.5)
+    store.landmarks[0].normal_(generator=gen)
+    store.outlier_k[0].normal_(generator=gen)
+    store.outlier_v[0].normal_(generator=gen)
+    for part in store.host_v[0].split(max(1, store.host_v[0].shape[0] // 16)):
+        part.copy_(torch.randn(part.shape, dtype=DT, device=DEV, generator=gen))
+    rotary = RotaryEmbedding(D, 500000.0, context + window + steps + 8).to(DEV)
+    decoder = SparseDecoder(store, cfg, rotary, max_b, n, CUDA)
+    segs = []
+    for _ in range(max_b):
+        seg = store.alloc_segment(0, context, cfg.num_outliers(n))
+        sel = torch.ones(n, HKV, dtype=torch.int8, device=DEV)
+        sel[torch.randperm(n, device=DEV)[:cfg.outliers - 1]] = 0
+        sel[0] = 0
+        store.selectable[0][seg.chunk_slots] = sel
+        segs.append(seg)
+    # dense pool: the full KV of every request (the full-attention baseline) + each one's window
+    kv_pool = PagedKVPool(max_b * (context + window) // CHUNK + 2, CHUNK, 1, HKV, D, DT, DEV)
+    for buf in (kv_pool.k_buffers[0], kv_pool.v_buffers[0]):
+        for part in buf.split(1 << 20):
+            part.normal_(generator=gen)
+    table = torch.zeros(max_b, context + window, dtype=torch.int32, device=DEV)
+    win_base = 1 + max_b * context // CHUNK
+    for b in range(max_b):
+        table[b, context:] = (win_base * CHUNK + b * window + torch.arange(window, device=DEV)).int()
+    rows = []
+    for batch in batches:
+        reqs = [SparseRequest(b, decoder.alloc_row(), segs[b], context + window) for b in range(batch)]
+        plan = decoder.plan_step(table, reqs)
+        q = torch.randn(batch, HQ, D, dtype=DT, device=DEV, generator=gen)
+        drift = [q]
+        for _ in range(steps):  # consecutive decode queries are correlated, as in real text
+            drift.append(F.normalize(drift[-1].float() + 0.35 * torch.randn_like(q, dtype=torch.float32), dim=-1)
+                         .mul(D ** 0.5).to(DT))
+        decoder.hits.zero_()
+        for qi in drift:
+            decoder.attend(qi, 0, plan, kv_pool)
+        hits, lookups = decoder.hits[:batch].sum(0).tolist()
+        it = iter(range(10 ** 9))
+        t_shadow = timeit(lambda: decoder.attend(drift[next(it) % len(drift)], 0, plan, kv_pool))
+        name, full_fn = full_attention_fn(batch, context, kv_pool, q)
+        t_full = timeit(full_fn)
+        rows.append({"context": context, "batch": batch, "shadowkv_ms": t_shadow * 1e3,
+                     "full_ms": t_full * 1e3, "full_backend": name, "speedup": t_full / t_shadow,
+                     "chunk_cache_hit_rate": hits / max(1, lookups)})
+        for r in reqs:
+            decoder.free_row(r.scratch_row)
+    return rows
+
+
+# ---- 4: prefill compression cost ---------------------------------------------------------------------
+class _CausalSdpa:
+    """One request's causal prefill attention for the dense-layer baseline (GQA via repeat)."""
+
+    def forward(self, q, k, v, layer, batch):
+        rep = q.shape[1] // k.shape[1]
+        k, v = (t.repeat_interleave(rep, 1).transpose(0, 1)[None] for t in (k, v))  # 4-D: flash path
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True)[0].transpose(0, 1)
+
+
+def dense_layer_seconds(context: int) -> float:
+    from sglang_shadowkv.models.config import ModelConfig
+    from sglang_shadowkv.models.llama import DecoderLayer
+
+    cfg = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_layers=1, num_heads=HQ, num_kv_heads=HKV, head_dim=D, rope_theta=500000.0,
+                      context_length=context)
+    layer = DecoderLayer(cfg, 0).to(DEV, DT)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    rotary = RotaryEmbedding(D, 500000.0, context).to(DEV)
+    x = torch.randn(context, 4096, dtype=DT, device=DEV)
+    pos = torch.arange(context, device=DEV)
+    with torch.inference_mode():
+        return timeit(lambda: layer(x, pos, rotary, _CausalSdpa(), None), reps=5, warmup=1)
+
+
+def compression_cost(context: int) -> dict:
+    cfg = ShadowKVConfig(rank=RANK, outliers=48)
+    n = context // CHUNK
+    store = ShadowKVPool(n, 1, cfg.outliers, CHUNK, 1, HKV, D, RANK, DT, DEV)
+    seg = store.alloc_segment(0, context, cfg.num_outliers(n))
+    rotary = RotaryEmbedding(D, 500000.0, context).to(DEV)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    low = torch.randn(context, 96, device=DEV, generator=gen) @ torch.randn(96, HKV * D, device=DEV, generator=gen)
+    k_pre = (low + 0.1 * torch.randn(context, HKV * D, device=DEV, generator=gen)).view(context, HKV, D)
+    k = rotary.apply(k_pre, torch.arange(context, device=DEV)).to(DT)
+    v = torch.randn(context, HKV, D, dtype=DT, device=DEV, generator=gen)
+    with torch.inference_mode():
+        t_compress = {m: timeit(lambda m=m: compress_layer(store, seg, 0, k, v, rotary,
+                                                           ShadowKVConfig(rank=RANK, lowrank_method=m)),
+                                reps=5, warmup=1) for m in ("eigh", "svd")}
+    t_dense = dense_layer_seconds(context)
+    x = k_pre.reshape(context, -1)
+    be, bs = low_rank_basis(x, RANK, method="eigh"), low_rank_basis(x, RANK, method="svd")
+    rec_e, rec_s = x @ be.T @ be, x @ bs.T @ bs
+    return {"context": context, "dense_layer_ms": t_dense * 1e3, "compress_eigh_ms": t_compress["eigh"] * 1e3,
+            "compress_svd_ms": t_compress["svd"] * 1e3, "eigh_share_of_dense": t_compress["eigh"] / t_dense,
+            "svd_share_of_dense": t_compress["svd"] / t_dense,
+            "eigh_vs_svd_rel_diff": ((rec_e - rec_s).norm() / rec_s.norm()).item(),
+            "svd_rel_error": ((x - rec_s).norm() / x.norm()).item()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: check the script on any device")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "bench_kernels.json"))
+    args = ap.parse_args()
+    if args.smoke:
+        contexts, batches, slots, entries = [512], [1, 2], 256, 16
+    else:
+        contexts, batches, slots, entries = [32768, 131072], [1, 4, 8, 16, 24, 32, 48], 1 << 17, 256
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    result = {"device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__}
+    result["bandwidth"] = bandwidth_and_overlap(slots, 48 if not args.smoke else 2, entries)
+    print(json.dumps(result["bandwidth"], indent=1), flush=True)
+    with open(args.out, "w") as f:  # partial results survive a later failure
+        json.dump(result, f, indent=1)
+    result["compression"] = [compression_cost(c) for c in contexts]
+    result["decode_layer"] = [r for c in contexts for r in decode_layer(c, batches, 8, 72)]
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    bw = result["bandwidth"]
+    print(f"\ndevice: {result['device']}")
+    for g in bw["by_grid"]:
+        print(f"gather grid {g['programs']:5d}: {g['gather_GBps']:5.1f} GB/s ({g['gather_vs_copy']:.0%} of copy), "
+              f"with rebuild {g['both_two_streams_ms']:.3f} ms, rebuild hidden {g['rebuild_hidden_fraction']:.0%}")
+    print(f"value gather {bw['gather_GBps']:.1f} GB/s vs pinned H2D copy {bw['pinned_h2d_copy_GBps']:.1f} GB/s "
+          f"({bw['gather_vs_copy']:.0%}); rebuild {bw['rebuild_ms']:.3f} ms, gather {bw['gather_ms']:.3f} ms, "
+          f"both {bw['both_two_streams_ms']:.3f} ms: {bw['rebuild_hidden_fraction']:.0%} of rebuild hidden")
+    print(f"\n{'context':>8} {'dense layer ms':>14} {'eigh ms':>8} {'eigh %':>7} {'svd ms':>8} {'svd %':>6} {'eigh~svd':>9}")
+    for r in result["compression"]:
+        print(f"{r['context']:8d} {r['dense_layer_ms']:14.2f} {r['compress_eigh_ms']:8.2f} {r['eigh_share_of_dense']:7.2%} "
+              f"{r['compress_svd_ms']:8.2f} {r['svd_share_of_dense']:6.1%} {r['eigh_vs_svd_rel_diff']:9.1e}")
+    print(f"\n{'context':>8} {'batch':>5} {'shadowkv ms':>11} {'full ms':>8} {'speedup':>7} {'hit':>5}  full backend")
+    for r in result["decode_layer"]:
+        print(f"{r['context']:8d} {r['batch']:5d} {r['shadowkv_ms']:11.3f} {r['full_ms']:8.3f} "
+              f"{r['speedup']:7.2f} {r['chunk_cache_hit_rate']:5.2f}  {r['full_backend']}")
+
+
+if __name__ == "__main__":
+    main()

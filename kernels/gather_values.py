@@ -1,0 +1,67 @@
+"""Copy selected value chunks from the host pool into the GPU scratch.
+
+The host pool is [chunk_slots, Hkv, c, D], so one chunk of one KV head is one contiguous read of
+c·D elements. On the GPU the pool is pinned host memory that the kernel reads directly over PCIe
+(UVA zero-copy): no staging copy, no CPU work. Jobs are as in `rebuild_keys` (-1 = cache hit).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def gather_values_reference(host_v, jobs, scratch_v, scratch_rows):
+    """Writes scratch_v[scratch_rows[b], h, e] = host_v[jobs[b, h, e], h] for every job >= 0."""
+    b_idx, h_idx, e_idx = (jobs >= 0).nonzero(as_tuple=True)
+    if b_idx.numel() == 0:
+        return scratch_v
+    slots = jobs[b_idx, h_idx, e_idx].long()
+    chunks = host_v[slots.to(host_v.device), h_idx.to(host_v.device)]
+    scratch_v[scratch_rows[b_idx].long(), h_idx, e_idx] = chunks.to(scratch_v.device, scratch_v.dtype)
+    return scratch_v
+
+
+@triton.jit
+def _gather_values_kernel(HOST, JOBS, OUT, ROWS, NUM_JOBS, stride_hs, stride_hh, stride_jb, stride_jh,
+                          stride_or, stride_oh, stride_oe,
+                          HEADS: tl.constexpr, ENTRIES: tl.constexpr, NUMEL: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """A persistent grid: each program walks jobs pid, pid + P, ... so the copy keeps enough reads
+    in flight to fill PCIe while leaving most SMs free for the key rebuild on the other stream."""
+    offs = tl.arange(0, BLOCK)
+    valid = offs < NUMEL
+    for i in range(tl.program_id(0), NUM_JOBS, tl.num_programs(0)):
+        b = i // (HEADS * ENTRIES)
+        h = (i // ENTRIES) % HEADS
+        e = i % ENTRIES
+        slot = tl.load(JOBS + b * stride_jb + h * stride_jh + e)
+        if slot >= 0:
+            src = HOST + slot.to(tl.int64) * stride_hs + h * stride_hh + offs
+            row = tl.load(ROWS + b).to(tl.int64)
+            dst = OUT + row * stride_or + h * stride_oh + e * stride_oe + offs
+            tl.store(dst, tl.load(src, mask=valid), mask=valid)
+
+
+def gather_values(host_v, jobs, scratch_v, scratch_rows, programs: int | None = None):
+    """Triton version of `gather_values_reference`; host_v may be pinned CPU memory (read via UVA).
+
+    programs: size of the persistent grid (default: two per SM on a GPU).
+    """
+    b, hkv, e = jobs.shape
+    if jobs.numel() == 0:
+        return scratch_v
+    numel = host_v.shape[2] * host_v.shape[3]
+    if host_v.stride(2) != host_v.shape[3] or host_v.stride(3) != 1 or scratch_v.stride(3) != scratch_v.shape[4]:
+        raise ValueError("host_v and scratch_v chunks must be contiguous [c, D] blocks")
+    if jobs.stride(2) != 1:
+        raise ValueError("jobs must be contiguous in its last dimension")
+    if programs is None:
+        programs = 2 * torch.cuda.get_device_properties(jobs.device).multi_processor_count \
+            if jobs.is_cuda else 4
+    _gather_values_kernel[(min(programs, jobs.numel()),)](
+        host_v, jobs, scratch_v, scratch_rows, jobs.numel(), host_v.stride(0), host_v.stride(1),
+        jobs.stride(0), jobs.stride(1), scratch_v.stride(0), scratch_v.stride(1), scratch_v.stride(2),
+        HEADS=hkv, ENTRIES=e, NUMEL=numel, BLOCK=triton.next_power_of_2(numel))
+    return scratch_v

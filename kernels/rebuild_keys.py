@@ -1,0 +1,94 @@
+"""Rebuild the post-RoPE keys of selected chunks from their low-rank rows: K = RoPE(A[tokens] · B).
+
+Pool layout: chunk slot s owns the low-rank rows a_rows[s*c : s*c+c] (rank R, zero-padded past the
+layer's rank), its first token sits at position chunk_pos[s], and its segment's basis is
+basis[chunk_basis[s]] (R × Hkv·D, the KV head's D columns used for that head). Each job
+(b, h, e) names the chunk slot to write into scratch entry e of KV head h of scratch row
+scratch_rows[b]; -1 means the entry already holds what is needed (a chunk-cache hit).
+RoPE is the half-split convention (first half rotates with the second).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def rebuild_keys_reference(a_rows, basis, cos, sin, chunk_pos, chunk_basis, jobs, scratch_k,
+                           scratch_rows, chunk_size):
+    """Writes scratch_k[scratch_rows[b], h, e] for every job >= 0; returns scratch_k."""
+    b_idx, h_idx, e_idx = (jobs >= 0).nonzero(as_tuple=True)
+    if b_idx.numel() == 0:
+        return scratch_k
+    d = scratch_k.shape[-1]
+    slots = jobs[b_idx, h_idx, e_idx].long()
+    tokens = slots[:, None] * chunk_size + torch.arange(chunk_size, device=slots.device)
+    a = a_rows[tokens].float()  # [J, c, R]
+    bases = basis[chunk_basis[slots].long()].float()  # [J, R, Hkv*D]
+    cols = h_idx[:, None] * d + torch.arange(d, device=slots.device)
+    b_head = torch.gather(bases, 2, cols[:, None, :].expand(-1, bases.shape[1], -1))  # [J, R, D]
+    k = torch.bmm(a, b_head)  # [J, c, D] pre-RoPE
+    pos = chunk_pos[slots].long()[:, None] + torch.arange(chunk_size, device=slots.device)
+    c_, s_ = cos[pos], sin[pos]
+    k1, k2 = k.chunk(2, dim=-1)
+    k = torch.cat((k1 * c_ - k2 * s_, k2 * c_ + k1 * s_), dim=-1)
+    scratch_k[scratch_rows[b_idx].long(), h_idx, e_idx] = k.to(scratch_k.dtype)
+    return scratch_k
+
+
+@triton.jit
+def _rebuild_keys_kernel(A, BASIS, COS, SIN, CHUNK_POS, CHUNK_BASIS, JOBS, OUT, ROWS, RANK,
+                         stride_a, stride_bb, stride_br, stride_cos,
+                         stride_jb, stride_jh, stride_or, stride_oh, stride_oe, stride_ot,
+                         CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, HALF: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    e = tl.program_id(2)
+    slot = tl.load(JOBS + b * stride_jb + h * stride_jh + e)
+    if slot >= 0:
+        slot = slot.to(tl.int64)
+        offs_t = tl.arange(0, CHUNK_PAD)
+        t_valid = offs_t < CHUNK
+        offs_h = tl.arange(0, HALF)
+        basis_id = tl.load(CHUNK_BASIS + slot).to(tl.int64)
+        col = h * 2 * HALF + offs_h
+        acc1 = tl.zeros([CHUNK_PAD, HALF], tl.float32)
+        acc2 = tl.zeros([CHUNK_PAD, HALF], tl.float32)
+        for r0 in range(0, RANK, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_valid = offs_r < RANK
+            a = tl.load(A + (slot * CHUNK + offs_t)[:, None] * stride_a + offs_r[None, :],
+                        mask=t_valid[:, None] & r_valid[None, :], other=0.0).to(tl.float32)
+            bp = BASIS + basis_id * stride_bb + offs_r[:, None] * stride_br
+            b1 = tl.load(bp + col[None, :], mask=r_valid[:, None], other=0.0).to(tl.float32)
+            b2 = tl.load(bp + (col + HALF)[None, :], mask=r_valid[:, None], other=0.0).to(tl.float32)
+            acc1 += tl.dot(a, b1)
+            acc2 += tl.dot(a, b2)
+        pos = tl.load(CHUNK_POS + slot).to(tl.int64) + offs_t
+        c = tl.load(COS + pos[:, None] * stride_cos + offs_h[None, :], mask=t_valid[:, None], other=1.0)
+        s = tl.load(SIN + pos[:, None] * stride_cos + offs_h[None, :], mask=t_valid[:, None], other=0.0)
+        row = tl.load(ROWS + b).to(tl.int64)
+        out = OUT + row * stride_or + h * stride_oh + e * stride_oe + offs_t[:, None] * stride_ot
+        ty = OUT.dtype.element_ty
+        tl.store(out + offs_h[None, :], (acc1 * c - acc2 * s).to(ty), mask=t_valid[:, None])
+        tl.store(out + (offs_h + HALF)[None, :], (acc2 * c + acc1 * s).to(ty), mask=t_valid[:, None])
+
+
+def rebuild_keys(a_rows, basis, cos, sin, chunk_pos, chunk_basis, jobs, scratch_k, scratch_rows,
+                 chunk_size):
+    """Triton version of `rebuild_keys_reference` (same arguments)."""
+    b, hkv, e = jobs.shape
+    d = scratch_k.shape[-1]
+    if jobs.numel() == 0:
+        return scratch_k
+    if basis.stride(2) != 1 or a_rows.stride(1) != 1 or cos.stride(1) != 1:
+        raise ValueError("a_rows, basis and cos/sin must be contiguous in their last dimension")
+    _rebuild_keys_kernel[(b, hkv, e)](
+        a_rows, basis, cos, sin, chunk_pos, chunk_basis, jobs, scratch_k, scratch_rows, a_rows.shape[1],
+        a_rows.stride(0), basis.stride(0), basis.stride(1), cos.stride(0),
+        jobs.stride(0), jobs.stride(1), scratch_k.stride(0), scratch_k.stride(1), scratch_k.stride(2),
+        scratch_k.stride(3),
+        CHUNK=chunk_size, CHUNK_PAD=max(16, triton.next_power_of_2(chunk_size)), HALF=d // 2, BLOCK_R=32)
+    return scratch_k

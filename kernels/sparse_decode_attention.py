@@ -1,0 +1,135 @@
+"""Exact decode attention over ShadowKV's three sources: outlier chunks, selected chunks, dense window.
+
+Per request b and KV head h, the keys are:
+  outliers  out_k[outlier_slots[b, h, i]]           ([c, D] blocks of a GPU pool; -1 = none)
+  selected  scratch_k[scratch_rows[b], h, entries[b, h, j]]  (rebuilt/fetched chunks; -1 = none)
+  window    k_pool[window_indices[window_indptr[b]:window_indptr[b+1]], h]  (dense recent tokens)
+and the values are laid out the same way. One softmax spans all three; each query head reads its
+KV head (GQA). One program per (request, KV head) serves all its query heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def sparse_decode_attention_reference(q, out_k, out_v, outlier_slots, scratch_k, scratch_v,
+                                      scratch_rows, entries, k_pool, v_pool, window_indptr,
+                                      window_indices, sm_scale):
+    """q [B, Hq, D] -> [B, Hq, D]; float32 softmax over the gathered keys of each KV head."""
+    b_, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    group = hq // hkv
+    out = torch.empty_like(q)
+    ptr = window_indptr.tolist()
+    for b in range(b_):
+        window = window_indices[ptr[b]:ptr[b + 1]].long()
+        row = int(scratch_rows[b])
+        for h in range(hkv):
+            o_ids = outlier_slots[b, h][outlier_slots[b, h] >= 0].long()
+            e_ids = entries[b, h][entries[b, h] >= 0].long()
+            k = torch.cat([out_k[o_ids].reshape(-1, d), scratch_k[row, h, e_ids].reshape(-1, d),
+                           k_pool[window, h]]).float()
+            v = torch.cat([out_v[o_ids].reshape(-1, d), scratch_v[row, h, e_ids].reshape(-1, d),
+                           v_pool[window, h]]).float()
+            heads = slice(h * group, (h + 1) * group)
+            p = (q[b, heads].float() @ k.T * sm_scale).softmax(-1)
+            out[b, heads] = (p @ v).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale):
+    """Fold one block of keys k [D, N] and values v [N, D] into the running softmax state."""
+    s = tl.dot(q, k.to(q.dtype)).to(tl.float32) * sm_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no valid key yet
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_decode_kernel(Q, OUT_K, OUT_V, OUTLIERS, SCR_K, SCR_V, ROWS, ENTRIES, K_POOL, V_POOL,
+                          W_INDPTR, W_INDICES, O_OUT, sm_scale, NUM_OUT, NUM_ENT,
+                          stride_qb, stride_qh, stride_oslot, stride_olb, stride_olh,
+                          stride_sr, stride_sh, stride_se, stride_eb, stride_eh,
+                          stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
+                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          CHUNK: tl.constexpr, CHUNKS_PER_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_valid = offs_g < GROUP
+    q = tl.load(Q + b * stride_qb + (h * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=g_valid[:, None], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    BLOCK: tl.constexpr = CHUNKS_PER_BLOCK * CHUNK
+    offs_n = tl.arange(0, BLOCK)
+    chunk_of = offs_n // CHUNK
+    token_of = offs_n % CHUNK
+    # outlier chunks: [c, D] blocks of the outlier pool
+    for i in range(0, NUM_OUT, CHUNKS_PER_BLOCK):
+        idx = i + chunk_of
+        slot = tl.load(OUTLIERS + b * stride_olb + h * stride_olh + idx, mask=idx < NUM_OUT, other=-1)
+        valid = slot >= 0
+        base = slot.to(tl.int64) * stride_oslot + token_of * HEAD_DIM
+        k = tl.load(OUT_K + base[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
+        v = tl.load(OUT_V + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale)
+    # selected chunks: entries of this request's scratch row
+    row = tl.load(ROWS + b).to(tl.int64)
+    for j in range(0, NUM_ENT, CHUNKS_PER_BLOCK):
+        idx = j + chunk_of
+        entry = tl.load(ENTRIES + b * stride_eb + h * stride_eh + idx, mask=idx < NUM_ENT, other=-1)
+        valid = entry >= 0
+        base = row * stride_sr + h * stride_sh + entry.to(tl.int64) * stride_se + token_of * HEAD_DIM
+        k = tl.load(SCR_K + base[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
+        v = tl.load(SCR_V + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale)
+    # dense window: token slots of the paged pool
+    w_start = tl.load(W_INDPTR + b)
+    w_len = tl.load(W_INDPTR + b + 1) - w_start
+    offs_w = tl.arange(0, BLOCK_W)
+    for n in range(0, w_len, BLOCK_W):
+        valid = n + offs_w < w_len
+        slot = tl.load(W_INDICES + w_start + n + offs_w, mask=valid, other=0).to(tl.int64)
+        k = tl.load(K_POOL + slot[None, :] * stride_kt + h * stride_kh + offs_d[:, None],
+                    mask=valid[None, :], other=0.0)
+        v = tl.load(V_POOL + slot[:, None] * stride_vt + h * stride_vh + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale)
+    out = acc / l_i[:, None]
+    tl.store(O_OUT + b * stride_ob + (h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
+             out.to(O_OUT.dtype.element_ty), mask=g_valid[:, None])
+
+
+def sparse_decode_attention(q, out_k, out_v, outlier_slots, scratch_k, scratch_v, scratch_rows,
+                            entries, k_pool, v_pool, window_indptr, window_indices, sm_scale):
+    """Triton version of `sparse_decode_attention_reference` (same arguments)."""
+    b, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    chunk = out_k.shape[1]
+    out = torch.empty_like(q)
+    if b == 0:
+        return out
+    if out_k.stride(1) != d or scratch_k.stride(3) != d or out_k.stride(2) != 1:
+        raise ValueError("outlier and scratch chunks must be contiguous [c, D] blocks")
+    group = hq // hkv
+    _sparse_decode_kernel[(b, hkv)](
+        q, out_k, out_v, outlier_slots, scratch_k, scratch_v, scratch_rows, entries, k_pool, v_pool,
+        window_indptr, window_indices, out, sm_scale, outlier_slots.shape[2], entries.shape[2],
+        q.stride(0), q.stride(1), out_k.stride(0), outlier_slots.stride(0), outlier_slots.stride(1),
+        scratch_k.stride(0), scratch_k.stride(1), scratch_k.stride(2), entries.stride(0), entries.stride(1),
+        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, CHUNK=chunk,
+        CHUNKS_PER_BLOCK=max(1, 64 // chunk), BLOCK_W=32)
+    return out

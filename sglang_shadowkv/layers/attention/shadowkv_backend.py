@@ -1,0 +1,66 @@
+"""ShadowKV behind the attention-backend interface.
+
+Prompts and requests that stay dense go through the wrapped dense backend; decode tokens of
+compressed requests go through the sparse decoder. In the step that completes a compressed
+request's prompt, each layer compresses the segment right after its dense attention has run, so
+the dense prefill is exact and the dense pages of the segment can be freed after the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_shadowkv.layers.rotary import RotaryEmbedding
+from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool
+from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+from sglang_shadowkv.shadowkv.compress import compress_layer
+from sglang_shadowkv.shadowkv.config import ShadowKVConfig
+from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
+
+from .base import AttentionBackend, ForwardBatch
+
+
+class ShadowKVAttentionBackend(AttentionBackend):
+    def __init__(self, dense: AttentionBackend, store: ShadowKVPool, cfg: ShadowKVConfig,
+                 rotary: RotaryEmbedding, req_to_token: ReqToTokenPool, decoder: SparseDecoder):
+        super().__init__(dense.pool, dense.num_heads, dense.head_dim)
+        self.dense, self.store, self.cfg, self.rotary = dense, store, cfg, rotary
+        self.req_to_token, self.decoder = req_to_token, decoder
+
+    def begin_step(self, batch: ForwardBatch) -> None:
+        shadow = batch.shadow or [None] * batch.batch_size
+        sparse = [i for i, st in enumerate(shadow) if st is not None and st.compressed]
+        dense = [i for i in range(batch.batch_size) if i not in set(sparse)]
+        if any(batch.extend_lens[i] != 1 for i in sparse):
+            raise ValueError("a compressed request can only decode one token per step")
+        if not sparse:
+            self.dense_batch, self.dense_rows = batch, None
+        elif dense:
+            self.dense_batch, self.dense_rows = batch.subset(dense)
+        else:
+            self.dense_batch = self.dense_rows = None
+        if self.dense_batch is not None:
+            self.dense.begin_step(self.dense_batch)
+        self.sparse_rows = self.plan = None
+        if sparse:
+            self.sparse_rows = batch.q_indptr[sparse].long()  # each request's only token
+            self.plan = self.decoder.plan_step(self.req_to_token.table, [
+                SparseRequest(batch.pool_rows[i], shadow[i].scratch_row, shadow[i].segment, batch.seq_lens[i])
+                for i in sparse])
+        self.to_compress = [(batch.pool_rows[i], st) for i, st in enumerate(shadow)
+                            if st is not None and st.compress_now]
+
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        if self.plan is None:
+            out = self.dense.attend(q, layer, self.dense_batch)
+        else:
+            out = torch.empty_like(q)
+            if self.dense_batch is not None:
+                out[self.dense_rows] = self.dense.attend(q[self.dense_rows], layer, self.dense_batch)
+            out[self.sparse_rows] = self.decoder.attend(q[self.sparse_rows], layer, self.plan, self.pool)
+        for row, st in self.to_compress:
+            seg = st.segment
+            slots = self.req_to_token.table[row, seg.start:seg.start + seg.num_tokens].long()
+            compress_layer(self.store, seg, layer, self.pool.k_buffers[layer][slots],
+                           self.pool.v_buffers[layer][slots], self.rotary, self.cfg)
+        return out

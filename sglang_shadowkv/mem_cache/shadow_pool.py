@@ -1,0 +1,128 @@
+"""The compressed-segment store: GPU pools of low-rank keys, landmarks and outliers, host values.
+
+A segment is a chunk-aligned span of one prompt compressed with one basis per layer. Its state is
+addressed by *chunk slot* so that every pool is indexed the same way and kernels serve a whole
+batch with one launch: chunk slot s owns the low-rank rows a_rows[s*c : s*c+c] (GPU), the
+landmark landmarks[s] and per KV head whether it can be selected (selectable[s], 0 for
+outlier chunks, which are always attended instead) (GPU), the values host_v[s] = [Hkv, c, D] (pinned host memory; one chunk
+of one head is one contiguous read) and the metadata chunk_pos[s] (position of its first token)
+and chunk_basis[s] (the segment's basis id). Outlier chunks are copied per KV head into a GPU
+outlier pool of [c, D] blocks. Slot 0 of every pool is reserved as a padding target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Segment:
+    seg_id: int  # basis id
+    start: int  # position of the first token
+    num_tokens: int
+    chunk_slots: torch.Tensor  # [n] int64 on the pool's device, in token order
+    outlier_blocks: torch.Tensor  # [Hkv, outliers] int32 blocks of every layer's outlier pool
+    ranks: list[int] = field(default_factory=list)  # per layer, filled by compression
+
+    @property
+    def num_chunks(self) -> int:
+        return self.chunk_slots.numel()
+
+    @property
+    def num_outliers(self) -> int:
+        """Outlier chunks per KV head."""
+        return self.outlier_blocks.shape[1]
+
+
+class ShadowKVPool:
+    def __init__(self, num_chunk_slots: int, max_segments: int, max_outliers: int, chunk_size: int,
+                 num_layers: int, num_kv_heads: int, head_dim: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.chunk_size, self.num_kv_heads, self.head_dim = chunk_size, num_kv_heads, head_dim
+        self.max_rank, self.dtype, self.device = max_rank, dtype, torch.device(device)
+        self.num_layers = num_layers
+        self.max_outliers = max_outliers
+        slots = num_chunk_slots + 1
+        out_blocks = max_segments * num_kv_heads * max_outliers + 1
+        kv_dim = num_kv_heads * head_dim
+        pin = self.device.type == "cuda"
+        gpu = dict(dtype=dtype, device=self.device)
+        self.a_rows = [torch.zeros(slots * chunk_size, max_rank, **gpu) for _ in range(num_layers)]
+        self.basis = [torch.zeros(max_segments, max_rank, kv_dim, **gpu) for _ in range(num_layers)]
+        self.landmarks = [torch.zeros(slots, num_kv_heads, head_dim, **gpu) for _ in range(num_layers)]
+        self.selectable = [torch.zeros(slots, num_kv_heads, dtype=torch.int8, device=self.device)
+                           for _ in range(num_layers)]
+        self.outlier_k = [torch.zeros(out_blocks, chunk_size, head_dim, **gpu) for _ in range(num_layers)]
+        self.outlier_v = [torch.zeros(out_blocks, chunk_size, head_dim, **gpu) for _ in range(num_layers)]
+        self.host_v = [torch.zeros(slots, num_kv_heads, chunk_size, head_dim, dtype=dtype, pin_memory=pin)
+                       for _ in range(num_layers)]
+        self.chunk_pos = torch.zeros(slots, dtype=torch.int32, device=self.device)
+        self.chunk_basis = torch.zeros(slots, dtype=torch.int32, device=self.device)
+        self._free_slots = list(range(slots - 1, 0, -1))
+        self._free_segments = list(range(max_segments - 1, -1, -1))
+        self._free_out_blocks = list(range(out_blocks - 1, 0, -1))
+        self.elt = torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def chunk_capacity(self) -> int:
+        return len(self.a_rows[0]) // self.chunk_size - 1
+
+    @property
+    def free_chunks(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def free_segments(self) -> int:
+        return len(self._free_segments)
+
+    def can_alloc(self, num_chunks: int, num_outliers: int) -> bool:
+        return (num_chunks <= len(self._free_slots) and self._free_segments
+                and self.num_kv_heads * num_outliers <= len(self._free_out_blocks))
+
+    def alloc_segment(self, start: int, num_tokens: int, num_outliers: int) -> Segment | None:
+        """Reserve the slots of a segment (None, nothing taken, when the pools are full)."""
+        n = num_tokens // self.chunk_size
+        if num_tokens % self.chunk_size or not self.can_alloc(n, num_outliers):
+            return None
+        slots = [self._free_slots.pop() for _ in range(n)]
+        blocks = [self._free_out_blocks.pop() for _ in range(self.num_kv_heads * num_outliers)]
+        seg = Segment(self._free_segments.pop(), start, num_tokens,
+                      torch.tensor(slots, dtype=torch.int64, device=self.device),
+                      torch.tensor(blocks, dtype=torch.int32, device=self.device).view(-1, num_outliers),
+                      ranks=[0] * self.num_layers)
+        self.chunk_pos[seg.chunk_slots] = (start + torch.arange(n, device=self.device) * self.chunk_size).int()
+        self.chunk_basis[seg.chunk_slots] = seg.seg_id
+        return seg
+
+    def free_segment(self, seg: Segment) -> None:
+        self._free_slots.extend(seg.chunk_slots.tolist()[::-1])
+        self._free_out_blocks.extend(seg.outlier_blocks.flatten().tolist()[::-1])
+        self._free_segments.append(seg.seg_id)
+
+    def token_rows(self, seg: Segment) -> torch.Tensor:
+        """a_rows indices of the segment's tokens, in token order."""
+        c = self.chunk_size
+        return (seg.chunk_slots[:, None] * c + torch.arange(c, device=self.device)).flatten()
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def segment_bytes(self, seg: Segment) -> dict[str, int]:
+        """GPU bytes (low-rank rows and bases at their true ranks, landmarks, outliers) and host bytes."""
+        kv_dim, n, c = self.num_kv_heads * self.head_dim, seg.num_chunks, self.chunk_size
+        layers = len(seg.ranks)
+        lowrank = sum(r * (n * c + kv_dim) for r in seg.ranks) * self.elt
+        landmarks = layers * n * kv_dim * self.elt
+        outliers = layers * 2 * self.num_kv_heads * seg.num_outliers * c * self.head_dim * self.elt
+        host = layers * n * c * kv_dim * self.elt
+        return {"gpu_lowrank_bytes": lowrank, "gpu_landmark_bytes": landmarks,
+                "gpu_outlier_bytes": outliers, "gpu_compressed_bytes": lowrank + landmarks + outliers,
+                "host_bytes": host}
+
+    def capacity_bytes(self) -> dict[str, int]:
+        def total(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+        gpu = total(self.a_rows + self.basis + self.landmarks + self.outlier_k + self.outlier_v)
+        return {"gpu_pool_bytes": gpu, "host_pool_bytes": total(self.host_v),
+                "chunk_slots": self.chunk_capacity, "free_chunk_slots": self.free_chunks,
+                "free_segments": self.free_segments}

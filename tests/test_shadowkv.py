@@ -1,0 +1,145 @@
+"""ShadowKV compression, configuration and the engine's attention="shadowkv" path (CPU)."""
+
+import pytest
+import torch
+
+from sglang_shadowkv.shadowkv.compress import chunk_landmarks_and_outliers, low_rank_basis
+from sglang_shadowkv.shadowkv.config import ShadowKVConfig
+from tests.conftest import assert_pool_clean
+
+SENTENCES = [
+    "The river town kept its records in a stone archive near the old mill.",
+    "Every spring the council met to count the boats and repair the bridge.",
+    "Merchants arrived from the coast with salt, cloth and news of distant wars.",
+    "Children learned to read from the ledgers their grandparents had written.",
+    "In the dry years the farmers dug new channels from the hills to the fields.",
+    "A traveller once wrote that the town smelled of bread, tar and wet wool.",
+]
+
+
+def long_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randint(0, len(SENTENCES), (num_tokens // 8,), generator=gen).tolist()
+    text = " ".join(SENTENCES[i] for i in order) + "\nQuestion: what did the merchants bring? Answer:"
+    return tokenizer.encode(text, add_special_tokens=False)[-num_tokens:]
+
+
+def test_eigh_and_svd_find_the_same_subspace():
+    gen = torch.Generator().manual_seed(0)
+    spectrum = torch.logspace(1, -3, 64)
+    x = torch.randn(2000, 64, generator=gen) * spectrum  # columns of decaying scale
+    x = x @ torch.linalg.qr(torch.randn(64, 64, generator=gen))[0]
+    b_eigh, b_svd = low_rank_basis(x, 16, method="eigh"), low_rank_basis(x, 16, method="svd")
+    assert b_eigh.shape == b_svd.shape == (16, 64)
+    torch.testing.assert_close(b_eigh @ b_eigh.T, torch.eye(16), atol=1e-4, rtol=0)
+    rec_eigh, rec_svd = x @ b_eigh.T @ b_eigh, x @ b_svd.T @ b_svd
+    assert (rec_eigh - rec_svd).norm() / x.norm() < 1e-4
+    err = (x - rec_svd).norm() / x.norm()
+    assert err < 0.2 and (x - x @ b_svd[:8].T @ b_svd[:8]).norm() / x.norm() > err  # rank matters
+
+
+def test_energy_rule_picks_the_true_rank():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(500, 5, generator=gen) @ torch.randn(5, 48, generator=gen)
+    x += 1e-4 * torch.randn(500, 48, generator=gen)
+    assert low_rank_basis(x, 48, energy=0.9999).shape[0] == 5
+    assert low_rank_basis(x, 3, energy=0.9999).shape[0] == 3  # capped
+
+
+def test_landmarks_and_outliers():
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(1, 1, 2, 16, generator=gen)
+    k = (base + 0.01 * torch.randn(10, 4, 2, 16, generator=gen)).reshape(40, 2, 16)  # 10 chunks of 4
+    k[4 * 6 + 1, 1] = -k[4 * 6 + 1, 1]  # chunk 6, head 1: one key points away from its chunk
+    landmarks, outliers = chunk_landmarks_and_outliers(k, 4, 2)
+    torch.testing.assert_close(landmarks, k.view(10, 4, 2, 16).mean(1))
+    assert (outliers[:, 0] == 0).all() or (outliers == 0).any(1).all()  # the sink chunk, per head
+    assert 6 in outliers[1].tolist() and 6 not in outliers[0].tolist()
+
+
+def test_config_sizes_and_errors():
+    cfg = ShadowKVConfig(min_context=100, local_window=10, chunk_size=8, budget=0.1, min_budget_chunks=4)
+    assert cfg.compressed_len(99, 8) == 0
+    assert cfg.compressed_len(131, 8) == 120 and cfg.compressed_len(131, 16) == 112
+    assert cfg.budget_chunks(20) == 4 and cfg.budget_chunks(100) == 10 and cfg.budget_chunks(3) == 3
+    assert ShadowKVConfig().max_rank(1024) == 160 and ShadowKVConfig().max_rank(192) == 30
+    for kwargs, name in [({"budget": 0}, "shadowkv_budget"), ({"rank": -1}, "shadowkv_rank"),
+                         ({"lowrank_method": "qr"}, "shadowkv_lowrank_method"),
+                         ({"rank_energy": 1.5}, "shadowkv_rank_energy")]:
+        with pytest.raises(ValueError, match=name):
+            ShadowKVConfig(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def shadow_engine():
+    from sglang_shadowkv import Engine
+
+    eng = Engine(attention="shadowkv", max_total_tokens=16384, chunked_prefill_size=512,
+                 shadowkv_min_context=512, shadowkv_rank=96, shadowkv_min_budget_chunks=64,
+                 shadowkv_host_tokens=4096)
+    yield eng
+    eng.shutdown()
+
+
+def assert_shadow_pools_clean(eng) -> None:
+    pools = eng.get_server_info()["shadowkv"]["pools"]
+    assert pools["free_chunk_slots"] == pools["chunk_slots"]
+
+
+GREEDY = {"max_new_tokens": 16, "temperature": 0}
+
+
+def test_compressed_decode_follows_full_attention(shadow_engine, engine):
+    agree = total = 0
+    for seed in range(2):
+        ids = long_prompt(shadow_engine.tokenizer, 1200, seed)
+        got = shadow_engine.generate(input_ids=ids, sampling_params=GREEDY)
+        want = engine.generate(input_ids=ids, sampling_params=GREEDY)
+        info = got["meta_info"]["shadowkv"]
+        assert info["compressed_tokens"] == (1200 - 64) // 8 * 8
+        assert info["gpu_total_bytes"] < info["full_kv_bytes"] and info["host_bytes"] > 0
+        assert 0 < info["chunk_cache_hit_rate"] < 1 and len(info["ranks"]) == 30
+        assert want["meta_info"]["shadowkv"] == {"compressed_tokens": 0}
+        agree += sum(a == b for a, b in zip(got["output_ids"], want["output_ids"]))
+        total += len(want["output_ids"])
+    assert agree / total >= 0.8
+    assert_pool_clean(shadow_engine)
+    assert_shadow_pools_clean(shadow_engine)
+
+
+def test_mixed_batch_of_compressed_and_dense_requests(shadow_engine):
+    tok = shadow_engine.tokenizer
+    prompts = [long_prompt(tok, 900, 5), tok.encode("The capital of France is"), long_prompt(tok, 700, 6)]
+    alone = [shadow_engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
+    shadow_engine.flush_cache()
+    batched = shadow_engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in batched] == alone
+    assert [o["meta_info"]["shadowkv"]["compressed_tokens"] > 0 for o in batched] == [True, False, True]
+    info = shadow_engine.get_server_info()["shadowkv"]
+    assert info["compressed_requests"] >= 4 and info["running_compressed_requests"] == 0
+    assert_pool_clean(shadow_engine)
+    assert_shadow_pools_clean(shadow_engine)
+
+
+def test_abort_frees_the_segment(shadow_engine):
+    from sglang_shadowkv.sampling_params import SamplingParams
+
+    sched = shadow_engine.scheduler
+    req = sched.add_request("to-abort", long_prompt(shadow_engine.tokenizer, 800, 9),
+                            SamplingParams.from_dict({"max_new_tokens": 50}))
+    while not (req.shadow is not None and req.shadow.compressed):
+        sched.step()
+    sched.step()
+    stats = shadow_engine.get_server_info()["shadowkv"]
+    assert stats["running_compressed_requests"] == 1
+    assert stats["running_total"]["gpu_total_bytes"] < stats["running_total"]["full_kv_bytes"]
+    assert sched.abort("to-abort")
+    assert_pool_clean(shadow_engine)
+    assert_shadow_pools_clean(shadow_engine)
+
+
+def test_prompt_beyond_the_compressed_pools_is_rejected(shadow_engine):
+    ids = long_prompt(shadow_engine.tokenizer, 5000, 3)
+    with pytest.raises(ValueError, match="shadowkv_host_tokens"):
+        shadow_engine.generate(input_ids=ids, sampling_params=GREEDY)
+    assert_pool_clean(shadow_engine)

@@ -1,0 +1,142 @@
+"""ShadowKV kernels against their torch references on fresh random inputs (interpreter on CPU)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.gather_values import gather_values, gather_values_reference
+from kernels.landmark_scores import landmark_logits, landmark_logits_reference
+from kernels.rebuild_keys import rebuild_keys, rebuild_keys_reference
+from kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
+from sglang_shadowkv.layers.rotary import RotaryEmbedding
+from sglang_shadowkv.shadowkv.chunk_cache import plan_chunk_cache
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-4 if DEVICE == "cpu" else 3e-3  # GPU float32 dots may run as TF32
+
+
+def _jobs(gen, batch, heads, entries, num_slots, hit_fraction=0.3):
+    """Random chunk slots per (request, head, entry), some -1 (cache hits), distinct per row."""
+    jobs = torch.stack([torch.randperm(num_slots - 1, generator=gen)[:entries] + 1
+                        for _ in range(batch * heads)]).view(batch, heads, entries)
+    return torch.where(torch.rand(jobs.shape, generator=gen) < hit_fraction, -1, jobs)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 8])
+@pytest.mark.parametrize("head_dim,num_chunks", [(32, 37), (64, 70), (64, 5)])
+def test_landmark_logits(group, head_dim, num_chunks):
+    gen = torch.Generator().manual_seed(group * 1000 + num_chunks)
+    batch, hkv, slots = 3, 2, 200
+    q = torch.randn(batch, hkv * group, head_dim, generator=gen)
+    landmarks = torch.randn(slots, hkv, head_dim, generator=gen)
+    selectable = (torch.rand(slots, hkv, generator=gen) < 0.8).to(torch.int8)
+    selectable[0] = 0
+    chunk_slots = torch.stack([torch.randperm(slots - 1, generator=gen)[:num_chunks] + 1 for _ in range(batch)])
+    chunk_slots[1, num_chunks // 2:] = 0  # a shorter request, padded with slot 0
+    args = [t.to(DEVICE) for t in (q, landmarks, chunk_slots.int(), selectable)] + [head_dim ** -0.5]
+    got, want = landmark_logits(*args), landmark_logits_reference(*args)
+    assert torch.equal(got.isinf(), want.isinf())
+    assert want.isinf().any() and not want.isinf().all()
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("chunk_size,rank", [(8, 30), (8, 64), (4, 17), (16, 40)])
+def test_rebuild_keys(chunk_size, rank):
+    gen = torch.Generator().manual_seed(chunk_size * 100 + rank)
+    batch, hkv, head_dim, entries, slots, bases = 3, 3, 32, 6, 40, 4
+    rotary = RotaryEmbedding(head_dim, 10000.0, 2048)
+    a_rows = torch.randn(slots * chunk_size, rank, generator=gen)
+    basis = torch.randn(bases, rank, hkv * head_dim, generator=gen) / rank ** 0.5
+    chunk_pos = torch.randint(0, 2048 - chunk_size, (slots,), generator=gen).int()
+    chunk_basis = torch.randint(0, bases, (slots,), generator=gen).int()
+    jobs = _jobs(gen, batch, hkv, entries, slots)
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32)
+    scratch = torch.full((5, hkv, entries, chunk_size, head_dim), float("nan"))
+    args = [t.to(DEVICE) for t in (a_rows, basis, rotary.cos_cache, rotary.sin_cache, chunk_pos, chunk_basis, jobs)]
+    got = rebuild_keys(*args, scratch.clone().to(DEVICE), rows.to(DEVICE), chunk_size)
+    want = rebuild_keys_reference(*args, scratch.clone().to(DEVICE), rows.to(DEVICE), chunk_size)
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, equal_nan=True)
+    written = ~want.isnan()
+    assert written.any() and (~written).any()  # misses written, hits left alone
+
+
+def test_rebuild_keys_equals_rope_of_low_rank_product():
+    """The reference itself: rows·basis then the model's own RoPE at the chunk's positions."""
+    gen = torch.Generator().manual_seed(7)
+    c, r, hkv, d = 8, 12, 2, 32
+    rotary = RotaryEmbedding(d, 10000.0, 512)
+    a_rows, basis = torch.randn(3 * c, r, generator=gen), torch.randn(1, r, hkv * d, generator=gen)
+    chunk_pos = torch.tensor([0, 100, 257], dtype=torch.int32)
+    jobs = torch.tensor([[[2], [1]]])
+    scratch = torch.zeros(1, hkv, 1, c, d)
+    rebuild_keys_reference(a_rows, basis, rotary.cos_cache, rotary.sin_cache, chunk_pos,
+                           torch.zeros(3, dtype=torch.int32), jobs, scratch, torch.tensor([0]), c)
+    for h, slot in ((0, 2), (1, 1)):
+        pre = (a_rows[slot * c:(slot + 1) * c] @ basis[0]).view(c, hkv, d)
+        pos = torch.arange(int(chunk_pos[slot]), int(chunk_pos[slot]) + c)
+        torch.testing.assert_close(scratch[0, h, 0], rotary.apply(pre, pos)[:, h], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size,head_dim", [(8, 64), (8, 128), (4, 32)])
+def test_gather_values(chunk_size, head_dim):
+    gen = torch.Generator().manual_seed(chunk_size + head_dim)
+    batch, hkv, entries, slots = 4, 2, 7, 50
+    host = torch.randn(slots, hkv, chunk_size, head_dim, generator=gen)
+    if DEVICE == "cuda":
+        host = host.pin_memory()
+    jobs = _jobs(gen, batch, hkv, entries, slots).to(DEVICE)
+    rows = torch.tensor([1, 5, 0, 3], dtype=torch.int32, device=DEVICE)
+    scratch = torch.full((6, hkv, entries, chunk_size, head_dim), float("nan"), device=DEVICE)
+    got = gather_values(host, jobs, scratch.clone(), rows)
+    want = gather_values_reference(host, jobs, scratch.clone(), rows)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("chunk_size,head_dim", [(8, 64), (4, 32)])
+def test_sparse_decode_attention(group, chunk_size, head_dim):
+    gen = torch.Generator().manual_seed(group * 10 + head_dim)
+    batch, hkv, out_blocks, entries, pool_slots = 3, 2, 30, 9, 300
+    q = torch.randn(batch, hkv * group, head_dim, generator=gen)
+    out_k, out_v = (torch.randn(out_blocks, chunk_size, head_dim, generator=gen) for _ in range(2))
+    outliers = torch.randint(1, out_blocks, (batch, hkv, 5), generator=gen).int()
+    outliers[0, :, 3:] = -1  # fewer outliers for request 0
+    scratch_k, scratch_v = (torch.randn(4, hkv, entries, chunk_size, head_dim, generator=gen) for _ in range(2))
+    ent = torch.stack([torch.randperm(entries, generator=gen) for _ in range(batch * hkv)]).view(batch, hkv, entries)
+    ent[1, :, 6:] = -1  # request 1 selected fewer chunks than the budget
+    k_pool, v_pool = (torch.randn(pool_slots, hkv, head_dim, generator=gen) for _ in range(2))
+    lens = [3, 70, 0]  # dense windows, one longer than a block, one empty
+    window = torch.randperm(pool_slots, generator=gen)[:sum(lens)].int()
+    indptr = torch.tensor([0] + lens).cumsum(0).int()
+    rows = torch.tensor([2, 0, 3], dtype=torch.int32)
+    args = [t.to(DEVICE) for t in (q, out_k, out_v, outliers, scratch_k, scratch_v, rows, ent.int(),
+                                   k_pool, v_pool, indptr, window)] + [head_dim ** -0.5]
+    torch.testing.assert_close(sparse_decode_attention(*args), sparse_decode_attention_reference(*args),
+                               rtol=TOL, atol=TOL)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_chunk_cache_plan(data):
+    k = data.draw(st.integers(1, 12))
+    rows = data.draw(st.integers(1, 4))
+    universe = st.integers(0, 30)
+    held_rows, sel_rows = [], []
+    for _ in range(rows):
+        held = data.draw(st.lists(universe, max_size=k, unique=True))
+        sel = data.draw(st.lists(universe, max_size=k, unique=True))
+        held_rows.append(held + [-1] * (k - len(held)))
+        sel_rows.append(sel + [-1] * (k - len(sel)))
+    held, selected = torch.tensor(held_rows), torch.tensor(sel_rows)
+    jobs, entries, new_held = plan_chunk_cache(held, selected)
+    for i in range(rows):
+        valid = selected[i] >= 0
+        ent = entries[i][valid]
+        assert torch.equal(new_held[i][ent], selected[i][valid])  # every selected chunk is held
+        assert len(set(ent.tolist())) == len(ent)  # in distinct entries
+        assert (entries[i][~valid] == -1).all()
+        misses = set(selected[i][valid].tolist()) - set(held[i].tolist())
+        assert sorted(jobs[i][jobs[i] >= 0].tolist()) == sorted(misses)  # only misses are fetched
+        kept = new_held[i][jobs[i] < 0]
+        assert torch.equal(kept, held[i][jobs[i] < 0])  # other entries untouched
