@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=6000, help="document tokens per prompt")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--attention-backend", default=None, help="torch | triton | flashinfer (default: best)")
+    ap.add_argument("--dtype", default="float32",
+                    help="float32 (default; bf16 rounding alone flips near-tie greedy tokens) or bfloat16")
     ap.add_argument("--out", default="benchmarks/results/fidelity.json")
     for name, field in ShadowKVConfig.__dataclass_fields__.items():
         if name not in ("host_tokens", "max_requests"):
@@ -113,7 +115,7 @@ def main() -> None:
     overrides = {k: v for k, v in vars(args).items() if k.startswith("shadowkv_") and v is not None}
     overrides.setdefault("shadowkv_min_context", 2048)  # 6K prompts are compressed on this 8K model
     common = dict(model_path=args.model_path, chunked_prefill_size=2048, max_running_requests=4,
-                  attention_backend=args.attention_backend)
+                  attention_backend=args.attention_backend, dtype=args.dtype)
     full = Engine(attention="full", **common)
     shadow = Engine(attention="shadowkv", shadowkv_max_requests=2, **common, **overrides)
     cfg = shadow.scheduler.shadow_cfg
