@@ -115,7 +115,7 @@ def main() -> None:
     overrides = {k: v for k, v in vars(args).items() if k.startswith("shadowkv_") and v is not None}
     overrides.setdefault("shadowkv_min_context", 2048)  # 6K prompts are compressed on this 8K model
     common = dict(model_path=args.model_path, chunked_prefill_size=2048, max_running_requests=4,
-                  max_total_tokens=16384,                  attention_backend=args.attention_backend, dtype=args.dtype)
+                  max_total_tokens=16384, attention_backend=args.attention_backend, dtype=args.dtype)
     full = Engine(attention="full", **common)
     shadow = Engine(attention="shadowkv", shadowkv_max_requests=2, **common, **overrides)
     cfg = shadow.scheduler.shadow_cfg
