@@ -92,8 +92,11 @@ class SparseDecoder:
     # ---- per step ------------------------------------------------------------------------------
     def plan_step(self, table: torch.Tensor, reqs: list[SparseRequest]) -> StepPlan:
         dev = self.pool.device
-        key = tuple((r.scratch_row, r.segment.seg_id) for r in reqs)
-        if key != self._plan_key:  # the tables change only when the set of requests does
+        # The tables change only when the set of requests does. Segments are compared by identity:
+        # a freed segment's id comes back with other chunk slots.
+        key = tuple((r.scratch_row, r.segment) for r in reqs)
+        if self._plan_key is None or len(key) != len(self._plan_key) or any(
+                row != old_row or seg is not old_seg for (row, seg), (old_row, old_seg) in zip(key, self._plan_key)):
             segs = [r.segment for r in reqs]
             chunk_slots = pad_sequence([s.chunk_slots for s in segs], batch_first=True).int()
             outliers = pad_sequence([s.outlier_blocks.T for s in segs], batch_first=True,
