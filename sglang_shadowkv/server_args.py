@@ -99,7 +99,7 @@ class ServerArgs:
             "shadowkv_min_budget_chunks": "floor of the selection budget in chunks",
             "shadowkv_local_window": "most recent prompt tokens kept dense",
             "shadowkv_min_context": "prompts shorter than this stay dense",
-            "shadowkv_lowrank_method": "eigh (Gram matrix) or svd",
+            "shadowkv_lowrank_method": "eigh or subspace (top eigenvectors of the Gram matrix) or svd",
             "shadowkv_host_tokens": "capacity of the compressed pools (host values) in tokens",
             "shadowkv_max_requests": "requests decoding from compressed state at once",
         }

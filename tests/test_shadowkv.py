@@ -24,16 +24,17 @@ def long_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)[-num_tokens:]
 
 
-def test_eigh_and_svd_find_the_same_subspace():
+@pytest.mark.parametrize("method", ["eigh", "subspace"])
+def test_gram_methods_and_svd_find_the_same_subspace(method):
     gen = torch.Generator().manual_seed(0)
-    spectrum = torch.logspace(1, -3, 64)
-    x = torch.randn(2000, 64, generator=gen) * spectrum  # columns of decaying scale
-    x = x @ torch.linalg.qr(torch.randn(64, 64, generator=gen))[0]
-    b_eigh, b_svd = low_rank_basis(x, 16, method="eigh"), low_rank_basis(x, 16, method="svd")
-    assert b_eigh.shape == b_svd.shape == (16, 64)
-    torch.testing.assert_close(b_eigh @ b_eigh.T, torch.eye(16), atol=1e-4, rtol=0)
-    rec_eigh, rec_svd = x @ b_eigh.T @ b_eigh, x @ b_svd.T @ b_svd
-    assert (rec_eigh - rec_svd).norm() / x.norm() < 1e-4
+    spectrum = torch.logspace(1, -6, 128)
+    x = torch.randn(2000, 128, generator=gen) * spectrum  # columns of decaying scale
+    x = x @ torch.linalg.qr(torch.randn(128, 128, generator=gen))[0]
+    b_gram, b_svd = low_rank_basis(x, 16, method=method), low_rank_basis(x, 16, method="svd")
+    assert b_gram.shape == b_svd.shape == (16, 128)
+    torch.testing.assert_close(b_gram @ b_gram.T, torch.eye(16), atol=1e-4, rtol=0)
+    rec_gram, rec_svd = x @ b_gram.T @ b_gram, x @ b_svd.T @ b_svd
+    assert (rec_gram - rec_svd).norm() / x.norm() < 1e-3
     err = (x - rec_svd).norm() / x.norm()
     assert err < 0.2 and (x - x @ b_svd[:8].T @ b_svd[:8]).norm() / x.norm() > err  # rank matters
 
@@ -44,6 +45,26 @@ def test_energy_rule_picks_the_true_rank():
     x += 1e-4 * torch.randn(500, 48, generator=gen)
     assert low_rank_basis(x, 48, energy=0.9999).shape[0] == 5
     assert low_rank_basis(x, 3, energy=0.9999).shape[0] == 3  # capped
+    assert low_rank_basis(x, 8, energy=0.9999, method="subspace").shape[0] == 5
+
+
+def test_segment_slot_runs_cover_its_chunks():
+    from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+
+    pool = ShadowKVPool(12, 3, 2, 4, 1, 2, 8, 4, torch.float32, "cpu")
+    first = pool.alloc_segment(0, 16, 1)
+    second = pool.alloc_segment(0, 12, 1)
+    pool.free_segment(first)
+    third = pool.alloc_segment(0, 24, 1)  # the freed slots, then fresh ones: two runs
+    for seg in (second, third):
+        covered = [first_slot + i for first_slot, count, _ in seg.slot_runs for i in range(count)]
+        assert covered == seg.chunk_slots.tolist()
+        assert [offset for _, _, offset in seg.slot_runs] == [0] + list(
+            torch.tensor([count for _, count, _ in seg.slot_runs]).cumsum(0)[:-1].tolist())
+    assert len(third.slot_runs) == 2
+    values = torch.randn(6, 2, 4, 8)
+    pool.write_host_values(0, third, values)
+    torch.testing.assert_close(pool.host_v[0][third.chunk_slots], values)
 
 
 def test_landmarks_and_outliers():

@@ -254,6 +254,7 @@ class Scheduler:
         """The prompt's segment is compressed: give back the dense pages it covered."""
         st = req.shadow
         st.compress_now, st.compressed = False, True
+        self.shadow_pool.wait_host_writes()  # the next step's value gathers read them
         own_from = req.cached_tokens // self.page_size  # earlier pages belong to the radix tree
         span_pages = st.segment.num_tokens // self.page_size
         self.pool.free([p for p in req.pages[own_from:span_pages] if p != FREED_PAGE])

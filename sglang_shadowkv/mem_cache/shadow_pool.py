@@ -25,6 +25,7 @@ class Segment:
     chunk_slots: torch.Tensor  # [n] int64 on the pool's device, in token order
     outlier_blocks: torch.Tensor  # [Hkv, outliers] int32 blocks of every layer's outlier pool
     ranks: list[int] = field(default_factory=list)  # per layer, filled by compression
+    slot_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first slot, count, chunk offset)
 
     @property
     def num_chunks(self) -> int:
@@ -64,6 +65,7 @@ class ShadowKVPool:
         self._free_segments = list(range(max_segments - 1, -1, -1))
         self._free_out_blocks = list(range(out_blocks - 1, 0, -1))
         self.elt = torch.empty((), dtype=dtype).element_size()
+        self.d2h_stream = torch.cuda.Stream(self.device) if pin else None
 
     @property
     def chunk_capacity(self) -> int:
@@ -91,7 +93,7 @@ class ShadowKVPool:
         seg = Segment(self._free_segments.pop(), start, num_tokens,
                       torch.tensor(slots, dtype=torch.int64, device=self.device),
                       torch.tensor(blocks, dtype=torch.int32, device=self.device).view(-1, num_outliers),
-                      ranks=[0] * self.num_layers)
+                      ranks=[0] * self.num_layers, slot_runs=_contiguous_runs(slots))
         self.chunk_pos[seg.chunk_slots] = (start + torch.arange(n, device=self.device) * self.chunk_size).int()
         self.chunk_basis[seg.chunk_slots] = seg.seg_id
         return seg
@@ -100,6 +102,28 @@ class ShadowKVPool:
         self._free_slots.extend(seg.chunk_slots.tolist()[::-1])
         self._free_out_blocks.extend(seg.outlier_blocks.flatten().tolist()[::-1])
         self._free_segments.append(seg.seg_id)
+
+    def write_host_values(self, layer: int, seg: Segment, values: torch.Tensor) -> None:
+        """Copy the segment's values [n, Hkv, c, D] into its host chunks: one copy per run of
+        consecutive slots. On the GPU the copies go on a side stream straight into pinned memory,
+        so they overlap the next layers' prefill; `wait_host_writes` orders later readers."""
+        def copy_runs(non_blocking: bool):
+            for first, count, offset in seg.slot_runs:
+                self.host_v[layer][first:first + count].copy_(values[offset:offset + count],
+                                                              non_blocking=non_blocking)
+
+        if self.d2h_stream is None or not values.is_cuda:
+            copy_runs(False)
+            return
+        self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h_stream):
+            copy_runs(True)
+        values.record_stream(self.d2h_stream)
+
+    def wait_host_writes(self) -> None:
+        """Make the current stream wait for the value copies of finished compressions."""
+        if self.d2h_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.d2h_stream)
 
     def token_rows(self, seg: Segment) -> torch.Tensor:
         """a_rows indices of the segment's tokens, in token order."""
@@ -126,3 +150,15 @@ class ShadowKVPool:
         return {"gpu_pool_bytes": gpu, "host_pool_bytes": total(self.host_v),
                 "chunk_slots": self.chunk_capacity, "free_chunk_slots": self.free_chunks,
                 "free_segments": self.free_segments}
+
+
+def _contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first slot, count, offset in the list) of each run of consecutive slots."""
+    runs: list[tuple[int, int, int]] = []
+    for offset, slot in enumerate(slots):
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            first, count, start = runs[-1]
+            runs[-1] = (first, count + 1, start)
+        else:
+            runs.append((slot, 1, offset))
+    return runs

@@ -6,6 +6,8 @@ values back from the dense pool; afterwards those dense pages can be freed.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
@@ -15,27 +17,60 @@ from sglang_shadowkv.mem_cache.shadow_pool import Segment, ShadowKVPool
 from .config import ShadowKVConfig
 
 
+@contextmanager
+def _tf32_matmuls():
+    """Gram matrix and projections in TF32 on the GPU: the keys come from bf16/fp16 caches, so
+    TF32's 10-bit mantissa loses nothing they had, and the GEMMs run on tensor cores."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _top_eigenpairs_by_subspace_iteration(gram: torch.Tensor, k: int, iters: int = 4,
+                                          oversample: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k eigenpairs of a symmetric PSD matrix by block power iteration + Rayleigh-Ritz:
+    a few [n, k+p] GEMMs and QRs instead of a full n × n eigh (whose tridiagonalisation is slow on
+    a GPU). Eigenvalues descending, eigenvectors as rows."""
+    n = gram.shape[0]
+    gen = torch.Generator(device=gram.device).manual_seed(0)
+    q = torch.randn(n, min(n, k + oversample), device=gram.device, generator=gen)
+    for _ in range(iters):
+        q = torch.linalg.qr(gram @ q).Q
+    evals, evecs = torch.linalg.eigh(q.T @ gram @ q)
+    return evals.flip(0), (q @ evecs).flip(1).T
+
+
 def low_rank_basis(k_pre: torch.Tensor, max_rank: int, energy: float | None = None,
                    method: str = "eigh") -> torch.Tensor:
     """Orthonormal rows B [r, dim] spanning the top-r right singular subspace of k_pre [s, dim].
 
-    eigh: top eigenvectors of the Gram matrix k_preᵀk_pre (one GEMM and a dim × dim eigh; float64
-    for the small matrix so the ill-conditioned tail does not leak into the kept directions).
+    eigh: top eigenvectors of the Gram matrix G = k_preᵀk_pre (one GEMM and a dim × dim eigh).
+    subspace: the same eigenvectors by subspace iteration on G (GEMMs only, for large dims).
     svd: the paper's truncated SVD of the tall matrix. With `energy`, r is the smallest rank whose
-    squared singular values keep that fraction of the total, capped at max_rank.
+    squared singular values keep that fraction of the total (trace of G), capped at max_rank.
     """
     x = k_pre.float()
-    if method == "eigh":
-        evals, evecs = torch.linalg.eigh((x.T @ x).double())
-        sq, vecs = evals.flip(0).clamp(min=0), evecs.flip(1).T.float()
-    elif method == "svd":
-        _, s, vh = torch.linalg.svd(x, full_matrices=False)
-        sq, vecs = s.double() ** 2, vh
-    else:
-        raise ValueError(f"method must be 'eigh' or 'svd', got {method!r}")
     rank = min(max_rank, x.shape[1])
+    if method in ("eigh", "subspace"):
+        with _tf32_matmuls():
+            gram = x.T @ x
+        if method == "eigh" or rank + 32 >= x.shape[1]:
+            evals, evecs = torch.linalg.eigh(gram)
+            sq, vecs = evals.flip(0), evecs.flip(1).T
+        else:
+            sq, vecs = _top_eigenpairs_by_subspace_iteration(gram, rank)
+        total = gram.diagonal().sum()
+    elif method == "svd":
+        _, s, vecs = torch.linalg.svd(x, full_matrices=False)
+        sq = s**2
+        total = sq.sum()
+    else:
+        raise ValueError(f"method must be one of 'eigh', 'subspace', 'svd', got {method!r}")
     if energy is not None:
-        kept = torch.cumsum(sq, 0) / sq.sum().clamp(min=1e-30)
+        kept = torch.cumsum(sq.clamp(min=0).double(), 0) / total.double().clamp(min=1e-30)
         rank = min(rank, int((kept < energy).sum()) + 1)
     return vecs[:rank].contiguous()
 
@@ -70,7 +105,8 @@ def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.T
     padded_basis = torch.zeros(pool.max_rank, h * d, device=basis.device)
     padded_basis[:rank] = basis
     pool.basis[layer][seg.seg_id] = padded_basis.to(pool.dtype)
-    pool.a_rows[layer][pool.token_rows(seg)] = (k_pre @ padded_basis.T).to(pool.dtype)
+    with _tf32_matmuls():
+        pool.a_rows[layer][pool.token_rows(seg)] = (k_pre @ padded_basis.T).to(pool.dtype)
 
     landmarks, outlier_ids = chunk_landmarks_and_outliers(k_post, c, seg.num_outliers)
     pool.landmarks[layer][seg.chunk_slots] = landmarks.to(pool.dtype)
@@ -84,7 +120,7 @@ def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.T
     selectable.scatter_(1, outlier_ids, 0)
     pool.selectable[layer][seg.chunk_slots] = selectable.T.contiguous()
 
-    values = head_major_v.permute(1, 0, 2, 3).to(pool.dtype)  # [n, H, c, D], chunk-contiguous
-    pool.host_v[layer].index_copy_(0, seg.chunk_slots.cpu(), values.cpu())
+    values = head_major_v.permute(1, 0, 2, 3).to(pool.dtype).contiguous()  # [n, H, c, D]
+    pool.write_host_values(layer, seg, values)
     seg.ranks[layer] = rank
     return rank
