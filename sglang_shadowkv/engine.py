@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-import time
 from typing import Any
 
 from tqdm import tqdm
@@ -99,19 +98,7 @@ class Engine:
 
     def get_server_info(self) -> dict:
         self._check_open()
-        runner = self.scheduler.runner
-        return {
-            "model_path": runner.loaded.model_path,
-            "attention": self.server_args.attention,
-            "attention_backend": runner.backend_name,
-            "device": str(runner.device),
-            "dtype": str(runner.dtype).removeprefix("torch."),
-            "context_length": runner.context_length,
-            "memory": self.scheduler.memory_stats(),
-            "shadowkv": self.scheduler.shadowkv_stats(),
-            "stats": dict(self.scheduler.stats),
-            "time": time.time(),
-        }
+        return self.scheduler.server_info()
 
     def shutdown(self) -> None:
         self._closed = True

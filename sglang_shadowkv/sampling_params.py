@@ -9,7 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-# Structured-output keys SGLang accepts; this engine has no grammar backend, so only None passes.
+# Structured-output keys SGLang accepts; this engine has no grammar backend, so only an unset
+# value (None, or the empty list / string that SGLang's frontend sends) passes.
 UNSUPPORTED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
 
 
@@ -55,7 +56,7 @@ class SamplingParams:
         values = {}
         for key, value in params.items():
             if key in UNSUPPORTED_KEYS:
-                if value is not None:
+                if value not in (None, [], ""):
                     raise ValueError(f"sampling_params.{key} is not supported by this engine")
                 continue
             if key not in known:

@@ -21,6 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class ServerArgs:
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     tokenizer_path: str | None = None
+    served_model_name: str | None = None  # the model name of the OpenAI API; None: from model_path
     attention: str = "full"  # "full" (dense KV) or "shadowkv"
     attention_backend: str | None = None  # torch | triton | flashinfer; None: best for the device
     device: str | None = None  # None: cuda if available, else cpu
@@ -35,6 +36,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     log_level: str = "warning"
+    startup_timeout: float = 600.0  # seconds the server waits for the model to load
     show_progress: bool = False  # progress bar over a generate() call
     # ShadowKV (used with attention="shadowkv"); meanings in shadowkv/config.py
     shadowkv_rank: int | None = _SKV.rank
@@ -67,12 +69,19 @@ class ServerArgs:
             _positive(self, "max_total_tokens")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"log_level must be debug, info, warning, error or critical, got {self.log_level!r}")
+        if not self.startup_timeout > 0:
+            raise ValueError(f"startup_timeout must be positive, got {self.startup_timeout}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         cfg = ShadowKVConfig.from_server_args(self)
         if self.page_size % cfg.chunk_size and cfg.chunk_size % self.page_size:
             raise ValueError(f"shadowkv_chunk_size ({cfg.chunk_size}) and page_size ({self.page_size}) "
                              "must divide one another")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "ServerArgs":
@@ -89,6 +98,9 @@ class ServerArgs:
             "model_path": "HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)",
             "attention": "full: dense KV cache; shadowkv: compressed long-context KV cache",
             "attention_backend": "torch (reference), triton, flashinfer (default: best available)",
+            "startup_timeout": "seconds to wait for the model to load before giving up",
+            "served_model_name": "model name of the OpenAI API (default: the model file or folder name)",
+            "log_level": "debug, info, warning or error",
             "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
             "chunked_prefill_size": "most prompt tokens prefilled in one step",
             "shadowkv_rank": "low-rank key dims (default: 160 per 1024 key dims, the paper's ratio)",

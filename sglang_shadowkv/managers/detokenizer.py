@@ -1,24 +1,44 @@
-"""Token ids to the text a client sees: special tokens skipped, stop strings trimmed."""
+"""Token ids to the text a client sees: special tokens skipped, stop strings trimmed.
+
+`output_dict` serves the offline Engine; `run_detokenizer_process` is the server's detokenizer
+process (SGLang's arrangement): it turns the scheduler's token outputs into cumulative text and
+passes them on to the tokenizer manager.
+"""
 
 from __future__ import annotations
 
+import logging
+
+import zmq
+
+from sglang_shadowkv.sampling_params import SamplingParams
+
+from .io_struct import TextOut, TokenOut
 from .request import Req
 
+logger = logging.getLogger(__name__)
 
-def output_text(tokenizer, req: Req) -> str:
-    sp = req.sampling
-    text = tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens,
-                            spaces_between_special_tokens=sp.spaces_between_special_tokens)
-    matched = (req.finish_reason or {}).get("matched")
-    if isinstance(matched, str) and not sp.no_stop_trim:
+
+def decode_text(tokenizer, output_ids: list[int], sampling: SamplingParams,
+                finish_reason: dict | None, final: bool = True) -> str:
+    """The completion's text. Unfinished (final=False), it leaves out what may still change: a
+    trailing incomplete UTF-8 sequence and a tail that could begin a stop string."""
+    text = tokenizer.decode(output_ids, skip_special_tokens=sampling.skip_special_tokens,
+                            spaces_between_special_tokens=sampling.spaces_between_special_tokens)
+    matched = (finish_reason or {}).get("matched")
+    if isinstance(matched, str) and not sampling.no_stop_trim:
         cut = text.find(matched)
         if cut >= 0:
             text = text[:cut]
-    return text
+    if final:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = max((k for stop in sampling.stop for k in range(1, len(stop)) if text.endswith(stop[:k])),
+               default=0)
+    return text[:len(text) - hold]
 
 
-def output_dict(tokenizer, req: Req) -> dict:
-    """The SGLang-shaped result of a finished request."""
+def meta_info(req: Req) -> dict:
     now = req.first_token_time
     meta = {
         "id": req.rid,
@@ -32,4 +52,39 @@ def output_dict(tokenizer, req: Req) -> dict:
     if req.return_logprob:
         meta["output_token_logprobs"] = [
             (lp, tid, None) for lp, tid in zip(req.output_logprobs, req.output_ids)]
-    return {"text": output_text(tokenizer, req), "output_ids": list(req.output_ids), "meta_info": meta}
+    return meta
+
+
+def output_dict(tokenizer, req: Req) -> dict:
+    """The SGLang-shaped result of a finished request."""
+    text = decode_text(tokenizer, req.output_ids, req.sampling, req.finish_reason)
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info(req)}
+
+
+class Detokenizer:
+    """Cumulative text per running request, from batches of new token ids."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.output_ids: dict[str, list[int]] = {}
+
+    def handle(self, out: TokenOut) -> TextOut:
+        ids = self.output_ids.setdefault(out.rid, [])
+        ids.extend(out.new_ids)
+        if out.finished:
+            del self.output_ids[out.rid]
+        text = "" if out.error else decode_text(self.tokenizer, ids, out.sampling,
+                                                 out.meta["finish_reason"], final=out.finished)
+        return TextOut(out.rid, text, out.new_ids, out.finished, out.meta, out.error)
+
+
+def run_detokenizer_process(tokenizer, from_scheduler: str, to_tokenizer_manager: str) -> None:
+    context = zmq.Context()
+    recv = context.socket(zmq.PULL)
+    recv.bind(from_scheduler)
+    send = context.socket(zmq.PUSH)
+    send.connect(to_tokenizer_manager)
+    detokenizer = Detokenizer(tokenizer)
+    while True:
+        batch: list[TokenOut] = recv.recv_pyobj()
+        send.send_pyobj([detokenizer.handle(out) for out in batch])

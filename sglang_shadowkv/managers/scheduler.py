@@ -324,6 +324,23 @@ class Scheduler:
     def flush_cache(self) -> bool:
         return self.tree.flush()
 
+    def server_info(self) -> dict:
+        runner = self.runner
+        return {
+            "model_path": runner.loaded.model_path,
+            "attention": self.args.attention,
+            "attention_backend": runner.backend_name,
+            "device": str(runner.device),
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "context_length": runner.context_length,
+            "memory": self.memory_stats(),
+            "shadowkv": self.shadowkv_stats(),
+            "stats": dict(self.stats),
+            "running_requests": len(self.running),
+            "waiting_requests": len(self.waiting),
+            "time": time.time(),
+        }
+
     def memory_stats(self) -> dict:
         running_pages = sum(len(r.pages) for r in self.running)
         return {

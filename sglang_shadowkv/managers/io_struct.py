@@ -1,0 +1,59 @@
+"""Messages between the server's processes (pickled over ZMQ sockets).
+
+tokenizer manager → scheduler: GenerateReq, AbortReq, ControlReq
+scheduler → detokenizer: lists of TokenOut;  detokenizer → tokenizer manager: lists of TextOut
+scheduler → tokenizer manager: ControlOut (answers to ControlReq)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_shadowkv.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class ControlReq:
+    call_id: int
+    kind: str  # "flush_cache" | "server_info"
+
+
+@dataclass
+class ControlOut:
+    call_id: int
+    result: Any
+
+
+@dataclass
+class TokenOut:
+    """One request's progress in one scheduler step (or its rejection, with `error`)."""
+    rid: str
+    new_ids: list[int]
+    finished: bool
+    meta: dict
+    sampling: SamplingParams
+    error: str | None = None
+
+
+@dataclass
+class TextOut:
+    rid: str
+    text: str  # cumulative, as SGLang's /generate streams it
+    new_ids: list[int]
+    finished: bool
+    meta: dict
+    error: str | None = None

@@ -1,0 +1,117 @@
+"""The server's scheduler process: owns the model and the caches, runs the step loop.
+
+It takes requests from the tokenizer manager, steps the Scheduler while there is work (blocking
+on its socket when idle), sends each step's new tokens to the detokenizer and answers control
+calls (flush, server info) straight to the tokenizer manager. A request the Scheduler rejects comes
+back as a finished output carrying the error, so the client gets it as an HTTP 400.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import zmq
+
+from sglang_shadowkv.server_args import ServerArgs
+
+from .detokenizer import meta_info
+from .io_struct import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
+from .request import Req
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class IpcPaths:
+    """ZMQ endpoints of the three processes (ipc:// in a private temporary folder)."""
+    scheduler: str
+    detokenizer: str
+    tokenizer_manager: str
+
+
+def run_scheduler_process(args: ServerArgs, paths: IpcPaths, ready_pipe) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
+    try:
+        scheduler = Scheduler(args)
+    except Exception as err:  # reported to the launcher, which exits with the message
+        logger.exception("scheduler failed to start")
+        ready_pipe.send({"error": f"{type(err).__name__}: {err}"})
+        return
+    runner = scheduler.runner
+    ready_pipe.send({"tokenizer": scheduler.tokenizer, "model_path": runner.loaded.model_path,
+                     "context_length": runner.context_length, "vocab_size": runner.config.vocab_size,
+                     "max_total_tokens": scheduler.pool.capacity * scheduler.page_size})
+    SchedulerLoop(scheduler, paths).run()
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, paths: IpcPaths):
+        self.scheduler = scheduler
+        context = zmq.Context()
+        self.recv = context.socket(zmq.PULL)
+        self.recv.bind(paths.scheduler)
+        self.to_detokenizer = context.socket(zmq.PUSH)
+        self.to_detokenizer.connect(paths.detokenizer)
+        self.to_tokenizer_manager = context.socket(zmq.PUSH)
+        self.to_tokenizer_manager.connect(paths.tokenizer_manager)
+        self.reqs: dict[str, Req] = {}
+
+    def run(self) -> None:
+        while True:
+            outs: list[TokenOut] = []
+            for msg in self._receive(block=not self.scheduler.has_work):
+                outs.extend(self._handle(msg))
+            if self.scheduler.has_work:
+                outs.extend(self._step())
+            if outs:
+                self.to_detokenizer.send_pyobj(outs)
+
+    def _receive(self, block: bool) -> list:
+        msgs = []
+        if block:
+            self.recv.poll()
+        while True:
+            try:
+                msgs.append(self.recv.recv_pyobj(zmq.NOBLOCK))
+            except zmq.Again:
+                return msgs
+
+    def _handle(self, msg) -> list[TokenOut]:
+        if isinstance(msg, GenerateReq):
+            try:
+                req = self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling, msg.return_logprob)
+            except ValueError as err:
+                meta = {"id": msg.rid, "finish_reason": {"type": "abort", "message": str(err)}}
+                return [TokenOut(msg.rid, [], True, meta, msg.sampling, error=str(err))]
+            self.reqs[msg.rid] = req
+        elif isinstance(msg, AbortReq):
+            req = self.reqs.pop(msg.rid, None)
+            if req is not None and self.scheduler.abort(msg.rid):
+                return [TokenOut(req.rid, [], True, meta_info(req), req.sampling)]
+        elif isinstance(msg, ControlReq):
+            result = {"flush_cache": self.scheduler.flush_cache,
+                      "server_info": self.scheduler.server_info}[msg.kind]()
+            self.to_tokenizer_manager.send_pyobj(ControlOut(msg.call_id, result))
+        return []
+
+    def _step(self) -> list[TokenOut]:
+        try:
+            updates = self.scheduler.step()
+        except Exception as err:  # a bug must not take the server down: fail the running requests
+            logger.exception("scheduler step failed; aborting the running requests")
+            outs = []
+            for rid in list(self.reqs):
+                req = self.reqs.pop(rid)
+                self.scheduler.abort(rid)
+                outs.append(TokenOut(rid, [], True, meta_info(req), req.sampling,
+                                     error=f"internal error: {type(err).__name__}: {err}"))
+            return outs
+        outs = []
+        for update in updates:
+            req = update.req
+            if update.finished:
+                self.reqs.pop(req.rid, None)
+            outs.append(TokenOut(req.rid, update.new_ids, update.finished, meta_info(req), req.sampling))
+        return outs

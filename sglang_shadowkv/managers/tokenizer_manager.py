@@ -1,0 +1,118 @@
+"""The HTTP process's side of the server: tokenize, check, send to the scheduler, and route the
+detokenizer's outputs back to the waiting HTTP handlers (one asyncio queue per request id).
+
+Everything a client can get wrong is checked here or by the scheduler and surfaces as a
+ValueError naming the field; the HTTP layer turns it into a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from sglang_shadowkv.sampling_params import SamplingParams
+
+from .io_struct import AbortReq, ControlOut, ControlReq, GenerateReq, TextOut
+
+
+@dataclass
+class ModelInfo:
+    """What the scheduler reported when it came up."""
+    tokenizer: object
+    model_path: str
+    context_length: int
+    vocab_size: int
+    max_total_tokens: int
+
+
+class TokenizerManager:
+    def __init__(self, info: ModelInfo, scheduler_path: str, own_path: str):
+        self.info = info
+        self.tokenizer = info.tokenizer
+        self.context = zmq.asyncio.Context()
+        self.to_scheduler = self.context.socket(zmq.PUSH)
+        self.to_scheduler.connect(scheduler_path)
+        self.recv = self.context.socket(zmq.PULL)
+        self.recv.bind(own_path)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._recv_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start routing outputs (call from inside the server's event loop)."""
+        self._recv_task = asyncio.get_running_loop().create_task(self._route_outputs())
+
+    async def _route_outputs(self) -> None:
+        while True:
+            msg = await self.recv.recv_pyobj()
+            if isinstance(msg, ControlOut):
+                future = self.calls.pop(msg.call_id, None)
+                if future is not None and not future.done():
+                    future.set_result(msg.result)
+                continue
+            for out in msg:
+                queue = self.queues.get(out.rid)
+                if queue is not None:
+                    queue.put_nowait(out)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def input_ids_of(self, text, input_ids, field: str = "text") -> list[int]:
+        """Token ids of one prompt (range and length are the scheduler's checks)."""
+        if (text is None) == (input_ids is None):
+            raise ValueError(f"give exactly one of {field} or input_ids")
+        if text is not None:
+            if not isinstance(text, str):
+                raise ValueError(f"{field} must be a string, got {type(text).__name__}")
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if not isinstance(input_ids, list):
+            raise ValueError(f"input_ids must be a list of token ids, got {type(input_ids).__name__}")
+        return input_ids
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
+                       return_logprob: bool = False) -> AsyncIterator[TextOut]:
+        """Outputs of one request as they come; the last has finished=True. Raises ValueError if
+        the scheduler rejects it. If the consumer stops early (client gone), the request is aborted."""
+        rid = rid or uuid.uuid4().hex
+        if rid in self.queues:
+            raise ValueError(f"rid {rid!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[rid] = queue
+        finished = False
+        try:
+            await self.to_scheduler.send_pyobj(GenerateReq(rid, input_ids, sampling, return_logprob))
+            while not finished:
+                out: TextOut = await queue.get()
+                if out.error is not None:
+                    finished = True
+                    raise ValueError(out.error)
+                finished = out.finished
+                yield out
+        finally:
+            self.queues.pop(rid, None)
+            if not finished:
+                await self.abort(rid)
+
+    async def abort(self, rid: str) -> None:
+        await self.to_scheduler.send_pyobj(AbortReq(rid))
+
+    async def control(self, kind: str, timeout: float = 60.0):
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self.calls[call_id] = future
+        await self.to_scheduler.send_pyobj(ControlReq(call_id, kind))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self.calls.pop(call_id, None)
+
+    def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self.context.destroy(linger=0)
