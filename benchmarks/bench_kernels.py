@@ -35,6 +35,7 @@ from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
 from sglang_shadowkv.shadowkv.compress import compress_layer, low_rank_basis
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
+from sglang_shadowkv.shadowkv.request_state import segment_layout
 
 HQ, HKV, D, CHUNK, RANK = 32, 8, 128, 8, 160
 CUDA = torch.cuda.is_available()
@@ -178,7 +179,8 @@ def decode_layer(context: int, batches: list[int], steps: int, window: int) -> l
         table[b, context:] = (win_base * CHUNK + b * window + torch.arange(window, device=DEV)).int()
     rows = []
     for batch in batches:
-        reqs = [SparseRequest(b, decoder.alloc_row(), segs[b], context + window) for b in range(batch)]
+        reqs = [SparseRequest(b, decoder.alloc_row(), segment_layout(segs[b], CHUNK), context + window)
+                for b in range(batch)]
         plan = decoder.plan_step(table, reqs)
         q = torch.randn(batch, HQ, D, dtype=DT, device=DEV, generator=gen)
         drift = [q]

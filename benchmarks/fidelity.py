@@ -36,6 +36,7 @@ from sglang_shadowkv.managers.model_runner import StepItem  # noqa: E402
 from sglang_shadowkv.shadowkv.compress import compress_layer  # noqa: E402
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig  # noqa: E402
 from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest  # noqa: E402
+from sglang_shadowkv.shadowkv.request_state import segment_layout  # noqa: E402
 
 QUESTION = "\n\nIn two sentences, what is the text above about?"
 
@@ -101,7 +102,8 @@ def layer_errors(engine: Engine, ids: list[int], configs: list[ShadowKVConfig]) 
                                  c.head_dim, cfg.max_rank(c.kv_dim), runner.dtype, runner.device)
             decoder = SparseDecoder(store, cfg, model.rotary, 1, n, runner.device.type == "cuda")
             seg = store.alloc_segment(0, span, cfg.num_outliers(n))
-            plan = decoder.plan_step(table.table, [SparseRequest(row, decoder.alloc_row(), seg, len(ids))])
+            plan = decoder.plan_step(table.table, [SparseRequest(row, decoder.alloc_row(),
+                                                                  segment_layout(seg, cfg.chunk_size), len(ids))])
             errors = []
             for layer in range(c.num_layers):
                 compress_layer(store, seg, layer, pool.k_buffers[layer][slots[:span].long()],
@@ -136,7 +138,7 @@ def main() -> None:
                   max_total_tokens=16384, attention_backend=args.attention_backend, dtype=args.dtype)
     full = Engine(attention="full", **common)
     shadow = Engine(attention="shadowkv", shadowkv_max_requests=2, **common, **overrides)
-    cfg = shadow.scheduler.shadow_cfg
+    cfg = shadow.scheduler.runner.shadow_cfg
     sampling = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
     rows = []
     for seed in tqdm(range(args.num_prompts), desc="prompts"):

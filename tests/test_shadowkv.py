@@ -103,8 +103,26 @@ def shadow_engine():
 
 
 def assert_shadow_pools_clean(eng) -> None:
+    """With nothing running, every live segment is referenced by the radix tree alone (its refs
+    are the tree's chunk entries), every chunk slot is free or in a live segment, and a flush
+    frees them all."""
+    from sglang_shadowkv.mem_cache.shadow_pool import ChunkRef
+
+    sched = eng.scheduler
+    store = sched.runner.shadow_pool
+    tree_refs: dict[int, int] = {}
+    stack = [sched.tree.root]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        for entry in node.pages:
+            if isinstance(entry, ChunkRef):
+                tree_refs[id(entry.segment)] = tree_refs.get(id(entry.segment), 0) + 1
+    assert {id(seg): seg.refs for seg in store.live.values()} == tree_refs
+    assert store.free_chunks + sum(seg.num_chunks for seg in store.live.values()) == store.chunk_capacity
+    assert eng.flush_cache()
     pools = eng.get_server_info()["shadowkv"]["pools"]
-    assert pools["free_chunk_slots"] == pools["chunk_slots"]
+    assert pools["free_chunk_slots"] == pools["chunk_slots"] and pools["segments"] == 0
 
 
 GREEDY = {"max_new_tokens": 16, "temperature": 0}
@@ -152,7 +170,7 @@ def test_abort_frees_the_segment(shadow_engine):
     sched = shadow_engine.scheduler
     req = sched.add_request("to-abort", long_prompt(shadow_engine.tokenizer, 800, 9),
                             SamplingParams.from_dict({"max_new_tokens": 50}))
-    while not (req.shadow is not None and req.shadow.compressed):
+    while not (req.shadow is not None and req.shadow.layout is not None):
         sched.step()
     sched.step()
     stats = shadow_engine.get_server_info()["shadowkv"]

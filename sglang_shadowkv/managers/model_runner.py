@@ -19,6 +19,8 @@ from sglang_shadowkv.shadowkv.decode import SparseDecoder
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_POOL_TOKENS_PER_CONTEXT = 4  # CPU pool: this many full context windows
+# segments live in the radix cache beyond their requests: several per running request
+SEGMENTS_PER_REQUEST = 4
 DEFAULT_HOST_TOKENS_PER_CONTEXT = 4  # ShadowKV pools: this many full context windows
 
 
@@ -90,7 +92,7 @@ class ModelRunner:
         host_tokens = skv.host_tokens or DEFAULT_HOST_TOKENS_PER_CONTEXT * self.context_length
         self.shadow_cfg = skv
         self.shadow_pool = ShadowKVPool(
-            num_chunk_slots=host_tokens // skv.chunk_size, max_segments=skv.max_requests,
+            num_chunk_slots=host_tokens // skv.chunk_size, max_segments=SEGMENTS_PER_REQUEST * skv.max_requests,
             max_outliers=skv.outliers, chunk_size=skv.chunk_size, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_rank=skv.max_rank(cfg.kv_dim),
             dtype=self.dtype, device=self.device)

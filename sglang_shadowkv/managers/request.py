@@ -23,7 +23,10 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     # cache state
     pool_row: int | None = None
-    pages: list[int] = field(default_factory=list)  # token i lives on pages[i // page_size]
+    # token i lives in pages[i // page_size]: a dense page id or a compressed ChunkRef
+    pages: list = field(default_factory=list)
+    num_borrowed: int = 0  # leading entries that belong to the radix tree (the matched prefix)
+    temp_pages: list[int] = field(default_factory=list)  # matched compressed chunks restored dense for the prefill
     last_node: TreeNode | None = None  # locked radix node of the matched prefix
     cached_tokens: int = 0  # prompt tokens reused from the radix cache
     num_computed: int = 0  # tokens whose K/V are in the pool

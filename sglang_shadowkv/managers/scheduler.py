@@ -9,7 +9,6 @@ aborted request leaves its whole pages in the radix cache for later requests to 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -23,15 +22,12 @@ from sglang_shadowkv.mem_cache.kv_pool import PoolExhaustedError
 from sglang_shadowkv.mem_cache.radix_cache import RadixCache
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
-from sglang_shadowkv.shadowkv.memory_report import request_report
-from sglang_shadowkv.shadowkv.request_state import ShadowReqState
 
 from .model_runner import ModelRunner, StepItem
 from .request import Req
+from .shadowkv_manager import ShadowKVManager
 
 logger = logging.getLogger(__name__)
-
-FREED_PAGE = 0  # marks a page of req.pages given back after compression (page 0 is never allocated)
 
 
 @dataclass
@@ -50,7 +46,7 @@ class Scheduler:
         self.tokenizer = self.runner.tokenizer
         self.page_size = args.page_size
         self.context_length = self.runner.context_length
-        self.tree = RadixCache(self.page_size, self.pool.free)
+        self.tree = RadixCache(self.page_size, self._release_entries)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.reserved_pages = 0
@@ -60,9 +56,16 @@ class Scheduler:
         self.vocab_size = self.runner.config.vocab_size
         self.sampling_device = self.runner.device
         self.default_generator = torch.Generator(device=self.sampling_device).manual_seed(args.random_seed)
-        self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0, "requests": 0,
-                      "compressed_requests": 0, "compressed_tokens": 0}
-        self.shadow_cfg, self.shadow_pool = self.runner.shadow_cfg, self.runner.shadow_pool
+        self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0, "requests": 0}
+        self.rejected: list[Req] = []  # dropped at admission; reported by the next step
+        self.shadow = (ShadowKVManager(self.runner, self.tree, self.page_size, self.stats)
+                       if self.runner.shadow_cfg is not None else None)
+
+    def _release_entries(self, entries: list) -> None:
+        if self.shadow is not None:
+            self.shadow.release_entries(entries)
+        else:
+            self.pool.free(entries)
 
     # ---- submission ---------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
@@ -83,7 +86,8 @@ class Scheduler:
             raise ValueError(
                 f"prompt plus max_new_tokens needs {max_total_len} KV tokens but the pool holds "
                 f"{self.pool.capacity * self.page_size}; lower max_new_tokens or raise max_total_tokens")
-        self._check_shadowkv_capacity(len(input_ids))
+        if self.shadow is not None:
+            self.shadow.check_capacity(len(input_ids))
         gen = None
         if sampling.sampling_seed is not None:
             gen = torch.Generator(device=self.sampling_device).manual_seed(sampling.sampling_seed)
@@ -92,16 +96,6 @@ class Scheduler:
         self.waiting.append(req)
         self.stats["requests"] += 1
         return req
-
-    def _compressed_len(self, prompt_len: int) -> int:
-        return 0 if self.shadow_cfg is None else self.shadow_cfg.compressed_len(prompt_len, self.page_size)
-
-    def _check_shadowkv_capacity(self, prompt_len: int) -> None:
-        span = self._compressed_len(prompt_len)
-        capacity = self.shadow_pool.chunk_capacity * self.shadow_cfg.chunk_size if span else 0
-        if span > capacity:
-            raise ValueError(f"prompt compresses to {span} tokens but the ShadowKV pools hold "
-                             f"{capacity}; raise shadowkv_host_tokens")
 
     def abort(self, rid: str) -> bool:
         for req in list(self.waiting):
@@ -124,7 +118,8 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[ReqUpdate]:
         self._admit()
-        updates: list[ReqUpdate] = []
+        updates = [ReqUpdate(req, [], True) for req in self.rejected]
+        self.rejected.clear()
         if not self.running:
             return updates
         items, reqs, budget = [], [], self.args.chunked_prefill_size
@@ -136,17 +131,18 @@ class Scheduler:
                 pending = pending[:budget]
                 budget -= len(pending)
             self._ensure_pages(req, req.num_computed + len(pending))
-            if req.shadow is not None and not req.shadow.compressed:
-                req.shadow.compress_now = req.num_computed + len(pending) >= len(req.input_ids)
+            if req.shadow is not None and not req.prompt_done:
+                completes = req.num_computed + len(pending) >= len(req.input_ids)
+                req.shadow.compress_now = completes and req.shadow.segment is not None
             items.append(StepItem(req.pool_row, pending, req.num_computed, req.shadow))
             reqs.append(req)
+        prompt_was_done = [req.prompt_done for req in reqs]
         logits = self.runner.forward(items)
-        for req in reqs:
-            if req.shadow is not None and req.shadow.compress_now:
-                self._finish_compression(req)
         sampled_rows = []
         for i, (req, item) in enumerate(zip(reqs, items)):
             req.num_computed += len(item.token_ids)
+            if req.shadow is not None and req.prompt_done and not prompt_was_done[i]:
+                self.shadow.on_prompt_done(req)
             if req.prompt_done:
                 if len(req.output_ids) == 0 and req.sampling.max_new_tokens == 0:
                     req.finish_reason = {"type": "length", "length": 0}
@@ -207,30 +203,37 @@ class Scheduler:
             # Leave at least one prompt token to compute: its logits give the first new token.
             match = self.tree.match_prefix(req.input_ids[:len(req.input_ids) - 1])
             self.tree.lock(match.node)
-            need = self._pages_for(req.max_total_len) - match.num_pages
+            # matched compressed chunks need dense pages while the prompt is prefilled
+            need = self._pages_for(req.max_total_len) - sum(isinstance(e, int) for e in match.pages)
             if need > self._available_pages() or self.runner.req_to_token.num_free == 0:
                 self.tree.unlock(match.node)
                 break  # add_request checked it fits an empty pool: wait for running requests
-            if (span := self._compressed_len(len(req.input_ids))) > 0:
-                c = self.shadow_cfg.chunk_size
-                seg = self.shadow_pool.alloc_segment(0, span, self.shadow_cfg.num_outliers(span // c))
-                row = self.runner.decoder.alloc_row() if seg is not None else None
-                if row is None:
-                    if seg is not None:
-                        self.shadow_pool.free_segment(seg)
+            if self.shadow is not None:
+                req.shadow = self.shadow.plan(req, match.pages)
+                if req.shadow is False:
+                    req.shadow = None
                     self.tree.unlock(match.node)
+                    if not self.running:  # nothing will free the compressed pools
+                        self.waiting.popleft()
+                        req.finish_reason = {"type": "abort", "message": "the ShadowKV pools are full"}
+                        self.rejected.append(req)
+                        continue
                     break  # the compressed pools are full: wait for running requests to finish
-                req.shadow = ShadowReqState(seg, row)
             self.waiting.popleft()
             req.pool_row = self.runner.req_to_token.alloc()
             req.last_node = match.node
             req.pages = list(match.pages)
+            req.num_borrowed = match.num_pages
             req.cached_tokens = req.num_computed = match.num_pages * self.page_size
-            if match.pages:
-                self.runner.req_to_token.write(req.pool_row, 0,
-                                               self.pool.slots_of_pages(match.pages, req.num_computed))
+            if req.pages:  # compressed entries get their (temporary) pages in restore_matched
+                dense = [e if isinstance(e, int) else 0 for e in req.pages]
+                self.runner.req_to_token.write(req.pool_row, 0, self.pool.slots_of_pages(dense, req.num_computed))
             req.reserved_pages = need
             self.reserved_pages += need
+            if req.shadow is not None:
+                self.shadow.restore_matched(req)
+                req.reserved_pages -= len(req.temp_pages)
+                self.reserved_pages -= len(req.temp_pages)
             self.stats["cached_tokens"] += req.cached_tokens
             self.running.append(req)
 
@@ -250,34 +253,16 @@ class Scheduler:
         req.reserved_pages -= take
         self.reserved_pages -= take
 
-    def _finish_compression(self, req: Req) -> None:
-        """The prompt's segment is compressed: give back the dense pages it covered."""
-        st = req.shadow
-        st.compress_now, st.compressed = False, True
-        self.shadow_pool.wait_host_writes()  # the next step's value gathers read them
-        own_from = req.cached_tokens // self.page_size  # earlier pages belong to the radix tree
-        span_pages = st.segment.num_tokens // self.page_size
-        self.pool.free([p for p in req.pages[own_from:span_pages] if p != FREED_PAGE])
-        req.pages[own_from:span_pages] = [FREED_PAGE] * max(0, span_pages - own_from)
-        self.stats["compressed_requests"] += 1
-        self.stats["compressed_tokens"] += st.segment.num_tokens
-
     def _release(self, req: Req) -> None:
-        """Hand the request's computed whole pages to the radix cache and free the rest.
-
-        A compressed request's segment is private to it (for now): it is freed, and so are its
-        dense pages, since the radix cache holds only complete dense prefixes.
-        """
+        """Hand the request's computed whole pages (dense or compressed) to the radix cache and
+        release the rest."""
         if req.shadow is not None:
-            self._release_shadow(req)
-            if req.shadow.compressed:
-                return
+            self.shadow.before_release(req)
         whole = req.num_computed // self.page_size
         tokens = req.all_ids[:whole * self.page_size]
         present = self.tree.insert(tokens, req.pages[:whole])
-        matched = req.cached_tokens // self.page_size
-        duplicates = req.pages[matched:present]  # cached meanwhile by another request
-        self.pool.free(duplicates + req.pages[whole:])
+        duplicates = req.pages[req.num_borrowed:present]  # cached meanwhile by another request
+        self._release_entries(duplicates + req.pages[whole:])
         self.tree.unlock(req.last_node)
         self.runner.req_to_token.free(req.pool_row)
         self.reserved_pages -= req.reserved_pages
@@ -285,41 +270,8 @@ class Scheduler:
         req.pages = []
         req.pool_row = None
 
-    def _release_shadow(self, req: Req) -> None:
-        seg = req.shadow.segment
-        if req.shadow.compressed:
-            req.shadowkv_info = self._shadow_report(req)
-            matched = req.cached_tokens // self.page_size
-            self.pool.free([p for p in req.pages[matched:] if p != FREED_PAGE])
-            self.tree.unlock(req.last_node)
-            self.runner.req_to_token.free(req.pool_row)
-            self.reserved_pages -= req.reserved_pages
-            req.reserved_pages, req.pages, req.pool_row = 0, [], None
-        self.shadow_pool.free_segment(seg)
-        self.runner.decoder.free_row(req.shadow.scratch_row)
-
-    def _shadow_report(self, req: Req) -> dict:
-        dense_tokens = sum(p != FREED_PAGE for p in req.pages) * self.page_size
-        return request_report(self.shadow_pool, self.runner.decoder, req.shadow.segment, req.shadow.scratch_row,
-                              dense_tokens, self.pool.bytes_per_token, req.num_computed)
-
     def shadowkv_stats(self) -> dict | None:
-        """Totals over running compressed requests, pool capacity, and the cumulative counters."""
-        if self.shadow_pool is None:
-            return None
-        reports = [self._shadow_report(r) for r in self.running if r.shadow is not None and r.shadow.compressed]
-        total = {key: sum(r[key] for r in reports) for key in
-                 ("dense_kv_bytes", "gpu_compressed_bytes", "gpu_scratch_bytes", "gpu_total_bytes",
-                  "host_bytes", "full_kv_bytes", "chunk_cache_hits", "chunk_cache_lookups")}
-        total["gpu_saving_vs_full"] = total["full_kv_bytes"] / total["gpu_total_bytes"] if reports else 0.0
-        total["chunk_cache_hit_rate"] = (total["chunk_cache_hits"] / total["chunk_cache_lookups"]
-                                         if total["chunk_cache_lookups"] else 0.0)
-        return {"config": dataclasses.asdict(self.shadow_cfg), "running_compressed_requests": len(reports),
-                "running_total": total, "per_request": {r.rid: rep for r, rep in zip(
-                    [r for r in self.running if r.shadow is not None and r.shadow.compressed], reports)},
-                "pools": self.shadow_pool.capacity_bytes(),
-                "compressed_requests": self.stats["compressed_requests"],
-                "compressed_tokens": self.stats["compressed_tokens"]}
+        return None if self.shadow is None else self.shadow.server_stats(self.running)
 
     def flush_cache(self) -> bool:
         return self.tree.flush()
@@ -342,7 +294,8 @@ class Scheduler:
         }
 
     def memory_stats(self) -> dict:
-        running_pages = sum(len(r.pages) for r in self.running)
+        running_pages = sum(sum(isinstance(e, int) for e in r.pages[r.num_borrowed:]) + len(r.temp_pages)
+                            for r in self.running)
         return {
             "page_size": self.page_size,
             "total_pages": self.pool.capacity,

@@ -1,9 +1,12 @@
-"""Page-aligned radix tree from token prefixes to the KV pages that hold them.
+"""Page-aligned radix tree from token prefixes to the KV that holds them.
 
-Every node's span is a whole number of pages, so a matched prefix is a page list a new request can
-use as is, and a split always falls on a page boundary. Nodes on a running request's path are
-locked; eviction frees unlocked leaves in least-recently-used order. The tree knows nothing of
-models: it stores page ids and hands freed ones back through `free_pages`.
+Every node's span is a whole number of pages and it keeps one *entry* per page: a dense KV page
+id (an int), or a reference to the compressed chunk that holds those tokens (any other object:
+a ShadowKV ChunkRef, when page size = chunk size). A matched prefix is an entry list a new
+request can use as is, and a split always falls on a page boundary, so a compressed span split in
+two is two views of one segment. Nodes on a running request's path are locked; eviction releases
+unlocked leaves in least-recently-used order. The tree knows nothing of models: it hands released
+entries to `release`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class TreeNode:
 
 @dataclass
 class PrefixMatch:
-    pages: list[int]
+    pages: list  # one entry per matched page: a page id or a compressed chunk reference
     node: TreeNode  # deepest node of the match: lock it while the pages are in use
 
     @property
@@ -38,17 +41,28 @@ class PrefixMatch:
 
 
 class RadixCache:
-    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]):
+    def __init__(self, page_size: int, release: Callable[[list], None]):
         self.page_size = page_size
-        self._free_pages = free_pages
+        self._release = release
         self._clock = itertools.count(1)
         self.reset_state()
 
     def reset_state(self) -> None:
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
-        self.total_pages = 0
+        self.total_pages = 0  # dense page entries
         self.evictable_pages = 0
+        self.total_chunks = 0  # compressed chunk entries
+        self.evictable_chunks = 0
+
+    def _count(self, entries: list, sign: int, evictable: bool = True, total: bool = True) -> None:
+        pages = sum(isinstance(e, int) for e in entries)
+        if total:
+            self.total_pages += sign * pages
+            self.total_chunks += sign * (len(entries) - pages)
+        if evictable:
+            self.evictable_pages += sign * pages
+            self.evictable_chunks += sign * (len(entries) - pages)
 
     # ---- lookup -------------------------------------------------------------------------------
     def match_prefix(self, tokens: list[int]) -> PrefixMatch:
@@ -89,11 +103,11 @@ class RadixCache:
         return upper
 
     # ---- insert -------------------------------------------------------------------------------
-    def insert(self, tokens: list[int], pages: list[int]) -> int:
-        """Cache pages for the whole-page prefix of tokens.
+    def insert(self, tokens: list[int], pages: list) -> int:
+        """Cache entries for the whole-page prefix of tokens; the tree owns the new ones.
 
         Returns how many leading pages were already in the tree: the caller's own copies of those
-        pages (where they differ from the tree's) are duplicates it must free.
+        entries (where they differ from the tree's) are duplicates it must release.
         """
         ps = self.page_size
         n_pages = min(len(tokens) // ps, len(pages))
@@ -104,16 +118,14 @@ class RadixCache:
                             match.node)
             node.last_access = next(self._clock)
             match.node.children[node.key[:ps]] = node
-            added = n_pages - present
-            self.total_pages += added
-            self.evictable_pages += added
+            self._count(node.pages, +1)
         return present
 
     # ---- locking ------------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
         while node is not self.root:
             if node.lock_ref == 0:
-                self.evictable_pages -= len(node.pages)
+                self._count(node.pages, -1, total=False)
             node.lock_ref += 1
             node = node.parent
 
@@ -123,21 +135,22 @@ class RadixCache:
                 raise RuntimeError("radix cache: unlock of a node that is not locked")
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.evictable_pages += len(node.pages)
+                self._count(node.pages, +1, total=False)
             node = node.parent
 
     # ---- eviction -----------------------------------------------------------------------------
-    def evict(self, num_pages: int) -> int:
-        """Free at least num_pages pages from unlocked leaves, oldest first; returns pages freed."""
+    def evict(self, num_pages: int, num_chunks: int = 0) -> int:
+        """Release unlocked leaves, oldest first, until num_pages dense pages and num_chunks
+        compressed chunk entries are released (or nothing is left); returns dense pages freed."""
         heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
-        freed = 0
-        while freed < num_pages and heap:
+        freed = chunks = 0
+        while (freed < num_pages or chunks < num_chunks) and heap:
             _, _, node = heapq.heappop(heap)
-            self._free_pages(node.pages)
-            freed += len(node.pages)
-            self.total_pages -= len(node.pages)
-            self.evictable_pages -= len(node.pages)
+            self._release(node.pages)
+            dense = sum(isinstance(e, int) for e in node.pages)
+            freed, chunks = freed + dense, chunks + len(node.pages) - dense
+            self._count(node.pages, -1)
             parent = node.parent
             del parent.children[node.key[:self.page_size]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
@@ -146,9 +159,9 @@ class RadixCache:
 
     def flush(self) -> bool:
         """Drop every cached page; refused (False) while any request holds a lock."""
-        if self.evictable_pages != self.total_pages:
+        if self.evictable_pages != self.total_pages or self.evictable_chunks != self.total_chunks:
             return False
-        self.evict(self.total_pages)
+        self.evict(self.total_pages, self.total_chunks)
         self.reset_state()
         return True
 

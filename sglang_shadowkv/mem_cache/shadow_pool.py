@@ -26,6 +26,7 @@ class Segment:
     outlier_blocks: torch.Tensor  # [Hkv, outliers] int32 blocks of every layer's outlier pool
     ranks: list[int] = field(default_factory=list)  # per layer, filled by compression
     slot_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first slot, count, chunk offset)
+    refs: int = 0  # live ChunkRefs (radix tree entries and running requests'); freed at 0
 
     @property
     def num_chunks(self) -> int:
@@ -35,6 +36,14 @@ class Segment:
     def num_outliers(self) -> int:
         """Outlier chunks per KV head."""
         return self.outlier_blocks.shape[1]
+
+
+@dataclass(eq=False)
+class ChunkRef:
+    """Tokens of one page held compressed: chunk `index` of `segment` (page size = chunk size).
+    The radix tree and requests keep these in place of dense page ids."""
+    segment: Segment
+    index: int
 
 
 class ShadowKVPool:
@@ -57,6 +66,9 @@ class ShadowKVPool:
                            for _ in range(num_layers)]
         self.outlier_k = [torch.zeros(out_blocks, chunk_size, head_dim, **gpu) for _ in range(num_layers)]
         self.outlier_v = [torch.zeros(out_blocks, chunk_size, head_dim, **gpu) for _ in range(num_layers)]
+        # position of each outlier block's first token (outliers differ per layer)
+        self.outlier_pos = [torch.zeros(out_blocks, dtype=torch.int32, device=self.device)
+                            for _ in range(num_layers)]
         self.host_v = [torch.zeros(slots, num_kv_heads, chunk_size, head_dim, dtype=dtype, pin_memory=pin)
                        for _ in range(num_layers)]
         self.chunk_pos = torch.zeros(slots, dtype=torch.int32, device=self.device)
@@ -66,6 +78,7 @@ class ShadowKVPool:
         self._free_out_blocks = list(range(out_blocks - 1, 0, -1))
         self.elt = torch.empty((), dtype=dtype).element_size()
         self.d2h_stream = torch.cuda.Stream(self.device) if pin else None
+        self.live: dict[int, Segment] = {}  # allocated segments by id
 
     @property
     def chunk_capacity(self) -> int:
@@ -96,9 +109,24 @@ class ShadowKVPool:
                       ranks=[0] * self.num_layers, slot_runs=_contiguous_runs(slots))
         self.chunk_pos[seg.chunk_slots] = (start + torch.arange(n, device=self.device) * self.chunk_size).int()
         self.chunk_basis[seg.chunk_slots] = seg.seg_id
+        self.live[seg.seg_id] = seg
         return seg
 
+    def chunk_refs(self, seg: Segment) -> list[ChunkRef]:
+        """One reference per chunk of a compressed segment; the segment lives while any does."""
+        seg.refs += seg.num_chunks
+        return [ChunkRef(seg, i) for i in range(seg.num_chunks)]
+
+    def release_chunks(self, refs: list[ChunkRef]) -> None:
+        for ref in refs:
+            ref.segment.refs -= 1
+            if ref.segment.refs == 0:
+                self.free_segment(ref.segment)
+            elif ref.segment.refs < 0:
+                raise RuntimeError("ShadowKV pool: a chunk reference was released twice")
+
     def free_segment(self, seg: Segment) -> None:
+        del self.live[seg.seg_id]
         self._free_slots.extend(seg.chunk_slots.tolist()[::-1])
         self._free_out_blocks.extend(seg.outlier_blocks.flatten().tolist()[::-1])
         self._free_segments.append(seg.seg_id)
@@ -131,9 +159,11 @@ class ShadowKVPool:
         return (seg.chunk_slots[:, None] * c + torch.arange(c, device=self.device)).flatten()
 
     # ---- accounting ----------------------------------------------------------------------------
-    def segment_bytes(self, seg: Segment) -> dict[str, int]:
-        """GPU bytes (low-rank rows and bases at their true ranks, landmarks, outliers) and host bytes."""
-        kv_dim, n, c = self.num_kv_heads * self.head_dim, seg.num_chunks, self.chunk_size
+    def segment_bytes(self, seg: Segment, num_chunks: int | None = None) -> dict[str, int]:
+        """GPU bytes (low-rank rows and bases at their true ranks, landmarks, outliers) and host bytes
+        of a segment, or of num_chunks of its chunks (a view of it, with its whole basis)."""
+        kv_dim, c = self.num_kv_heads * self.head_dim, self.chunk_size
+        n = seg.num_chunks if num_chunks is None else num_chunks
         layers = len(seg.ranks)
         lowrank = sum(r * (n * c + kv_dim) for r in seg.ranks) * self.elt
         landmarks = layers * n * kv_dim * self.elt
@@ -147,7 +177,10 @@ class ShadowKVPool:
         def total(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
         gpu = total(self.a_rows + self.basis + self.landmarks + self.outlier_k + self.outlier_v)
-        return {"gpu_pool_bytes": gpu, "host_pool_bytes": total(self.host_v),
+        live = [self.segment_bytes(seg) for seg in self.live.values()]
+        return {"gpu_pool_bytes": gpu, "host_pool_bytes": total(self.host_v), "segments": len(live),
+                "segment_gpu_bytes": sum(b["gpu_compressed_bytes"] for b in live),
+                "segment_host_bytes": sum(b["host_bytes"] for b in live),
                 "chunk_slots": self.chunk_capacity, "free_chunk_slots": self.free_chunks,
                 "free_segments": self.free_segments}
 

@@ -114,6 +114,7 @@ def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.T
     head_major_v = v.view(n, c, h, d).permute(2, 0, 1, 3)
     pick = outlier_ids[:, :, None, None].expand(-1, -1, c, d)
     blocks = seg.outlier_blocks.flatten().long()
+    pool.outlier_pos[layer][blocks] = (seg.start + outlier_ids.flatten() * c).int()
     pool.outlier_k[layer][blocks] = torch.gather(head_major_k, 1, pick).reshape(-1, c, d).to(pool.dtype)
     pool.outlier_v[layer][blocks] = torch.gather(head_major_v, 1, pick).reshape(-1, c, d).to(pool.dtype)
     selectable = torch.ones(h, n, dtype=torch.int8, device=k_post.device)

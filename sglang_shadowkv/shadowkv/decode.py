@@ -18,17 +18,18 @@ from kernels import rebuild_keys as rk
 from kernels import sparse_decode_attention as sda
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
-from sglang_shadowkv.mem_cache.shadow_pool import Segment, ShadowKVPool
+from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
 
 from .chunk_cache import plan_chunk_cache
 from .config import ShadowKVConfig
+from .request_state import CompressedLayout, pad_outliers
 
 
 @dataclass
 class SparseRequest:
-    table_row: int  # row of the request-to-token table (the dense window's slots)
+    table_row: int  # row of the request-to-token table (the dense tokens' slots)
     scratch_row: int  # its chunk-cache scratch
-    segment: Segment
+    layout: CompressedLayout  # its compressed chunks and dense spans
     seq_len: int  # tokens including this step's
 
 
@@ -38,6 +39,8 @@ class StepPlan:
     rows: torch.Tensor  # [B] int32 scratch rows
     chunk_slots: torch.Tensor  # [B, Nmax] int32, padded with slot 0 (never selectable)
     outliers: torch.Tensor  # [B, Hkv, Omax] int32 outlier blocks, -1 padded
+    outlier_lo: torch.Tensor  # [B, Hkv, Omax] a block counts if its chunk starts in [lo, hi)
+    outlier_hi: torch.Tensor
     budgets: torch.Tensor  # [B] chunks each KV head selects
     top_k: int  # the largest budget
     window_indptr: torch.Tensor  # [B+1] int32
@@ -92,26 +95,24 @@ class SparseDecoder:
     # ---- per step ------------------------------------------------------------------------------
     def plan_step(self, table: torch.Tensor, reqs: list[SparseRequest]) -> StepPlan:
         dev = self.pool.device
-        # The tables change only when the set of requests does. Segments are compared by identity:
-        # a freed segment's id comes back with other chunk slots.
-        key = tuple((r.scratch_row, r.segment) for r in reqs)
+        # The tables change only when the set of requests does (layouts compared by identity).
+        key = tuple((r.scratch_row, r.layout) for r in reqs)
         if self._plan_key is None or len(key) != len(self._plan_key) or any(
-                row != old_row or seg is not old_seg for (row, seg), (old_row, old_seg) in zip(key, self._plan_key)):
-            segs = [r.segment for r in reqs]
-            chunk_slots = pad_sequence([s.chunk_slots for s in segs], batch_first=True).int()
-            outliers = pad_sequence([s.outlier_blocks.T for s in segs], batch_first=True,
-                                    padding_value=-1).permute(0, 2, 1).contiguous()
-            budgets = [self.cfg.budget_chunks(s.num_chunks - s.num_outliers) for s in segs]
+                row != old_row or lay is not old_lay for (row, lay), (old_row, old_lay) in zip(key, self._plan_key)):
+            layouts = [r.layout for r in reqs]
+            chunk_slots = pad_sequence([lay.chunk_slots for lay in layouts], batch_first=True).int()
+            outliers = pad_outliers(layouts)
+            budgets = [self.cfg.budget_chunks(lay.num_chunks - lay.num_outliers) for lay in layouts]
             rows = torch.tensor([r.scratch_row for r in reqs], dtype=torch.int32, device=dev)
-            self._plan_static = (rows, chunk_slots, outliers, torch.tensor(budgets, device=dev), max(budgets))
+            self._plan_static = (rows, chunk_slots, *outliers, torch.tensor(budgets, device=dev), max(budgets))
             self._plan_key = key
-        rows, chunk_slots, outliers, budgets, top_k = self._plan_static
-        starts = [r.segment.start + r.segment.num_tokens for r in reqs]
-        window_indices = torch.cat([table[r.table_row, s:r.seq_len] for r, s in zip(reqs, starts)])
-        lens = torch.tensor([r.seq_len - s for r, s in zip(reqs, starts)])
+        rows, chunk_slots, outliers, lo, hi, budgets, top_k = self._plan_static
+        spans = [[*r.layout.dense_spans, (r.layout.compressed_end, r.seq_len)] for r in reqs]
+        window_indices = torch.cat([table[r.table_row, a:b] for r, sp in zip(reqs, spans) for a, b in sp])
+        lens = torch.tensor([sum(b - a for a, b in sp) for sp in spans])
         window_indptr = torch.zeros(len(reqs) + 1, dtype=torch.int32)
         window_indptr[1:] = lens.cumsum(0)
-        return StepPlan(rows, chunk_slots, outliers, budgets, top_k, window_indptr.to(dev), window_indices)
+        return StepPlan(rows, chunk_slots, outliers, lo, hi, budgets, top_k, window_indptr.to(dev), window_indices)
 
     def attend(self, q: torch.Tensor, layer: int, plan: StepPlan, kv_pool: PagedKVPool) -> torch.Tensor:
         """q [B, Hq, D] (one decode token per request) -> attention output [B, Hq, D]; the dense
@@ -138,8 +139,12 @@ class SparseDecoder:
         self.hits.index_add_(0, rows, torch.stack([lookups - (jobs >= 0).sum((1, 2)), lookups], 1))
         self._fetch(jobs, layer, plan.rows)
 
+        # Outlier chunks differ per layer: keep those inside the part of the segment this prefix holds.
+        pos = pool.outlier_pos[layer][plan.outliers.clamp(min=0).long()]
+        outliers = torch.where((plan.outliers >= 0) & (pos >= plan.outlier_lo) & (pos < plan.outlier_hi),
+                               plan.outliers, -1)
         attend_fn = sda.sparse_decode_attention if self.use_triton else sda.sparse_decode_attention_reference
-        return attend_fn(q, pool.outlier_k[layer], pool.outlier_v[layer], plan.outliers,
+        return attend_fn(q, pool.outlier_k[layer], pool.outlier_v[layer], outliers,
                          self.scratch_k[layer], self.scratch_v[layer], plan.rows, entries.int(),
                          kv_pool.k_buffers[layer], kv_pool.v_buffers[layer],
                          plan.window_indptr, plan.window_indices, sm_scale)

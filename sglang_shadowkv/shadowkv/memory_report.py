@@ -1,24 +1,29 @@
-"""Memory and chunk-cache numbers of one compressed request, against a full KV cache."""
+"""Memory and chunk-cache numbers of one request with a compressed prefix, against a full KV cache."""
 
 from __future__ import annotations
 
-from sglang_shadowkv.mem_cache.shadow_pool import Segment, ShadowKVPool
+from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
 
 from .decode import SparseDecoder
+from .request_state import CompressedLayout
 
 
-def request_report(store: ShadowKVPool, decoder: SparseDecoder, seg: Segment, row: int,
+def request_report(store: ShadowKVPool, decoder: SparseDecoder, layout: CompressedLayout, row: int,
                    dense_tokens: int, kv_bytes_per_token: int, seq_len: int) -> dict:
-    """dense_tokens: tokens the request still holds in dense pages (window, outputs, matched prefix)."""
+    """dense_tokens: tokens the request holds in dense pages (window, outputs, dense prefix)."""
     hits, lookups = decoder.hit_counts(row)
-    sizes = store.segment_bytes(seg)
+    sizes: dict[str, int] = {}
+    for seg, n in zip(layout.segments, layout.segment_chunks):
+        for key, value in store.segment_bytes(seg, n).items():
+            sizes[key] = sizes.get(key, 0) + value
     dense = dense_tokens * kv_bytes_per_token
     full = seq_len * kv_bytes_per_token
     gpu = dense + sizes["gpu_compressed_bytes"] + decoder.scratch_bytes_per_request
     return {
-        "compressed_tokens": seg.num_tokens,
-        "ranks": list(seg.ranks),
-        "outliers_per_head": seg.num_outliers,
+        "compressed_tokens": layout.num_chunks * store.chunk_size,
+        "segments": len(layout.segments),
+        "ranks": list(layout.segments[0].ranks),  # per layer, of its first segment
+        "outliers_per_head": layout.num_outliers,
         "dense_kv_bytes": dense,
         **sizes,
         "gpu_scratch_bytes": decoder.scratch_bytes_per_request,

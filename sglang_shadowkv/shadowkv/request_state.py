@@ -1,15 +1,88 @@
-"""What ShadowKV keeps for one running request between steps."""
+"""What ShadowKV keeps for one running request between steps, and the layout of its prefix.
+
+A request's prefix may mix dense pages and compressed chunks of several segments (a document
+compressed by an earlier request, then its own long prompt); `CompressedLayout` is what sparse
+decode needs to know of that mix. It is fixed once the prompt is done: every later token is dense.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from sglang_shadowkv.mem_cache.shadow_pool import Segment
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from sglang_shadowkv.mem_cache.shadow_pool import ChunkRef, Segment
+
+
+@dataclass
+class CompressedLayout:
+    chunk_slots: torch.Tensor  # [n] chunk slots of every compressed chunk of the prefix, in order
+    outlier_blocks: torch.Tensor  # [Hkv, O] int32 outlier blocks of its segments
+    outlier_lo: torch.Tensor  # [Hkv, O] int32: a block counts only if its chunk starts in [lo, hi),
+    outlier_hi: torch.Tensor  # the part of its segment this prefix holds
+    dense_spans: list[tuple[int, int]]  # dense token spans before `compressed_end`
+    compressed_end: int  # every token from here on is dense
+    segments: list[Segment] = field(default_factory=list)
+    segment_chunks: list[int] = field(default_factory=list)  # chunks of each segment it holds
+
+    @property
+    def num_chunks(self) -> int:
+        return self.chunk_slots.numel()
+
+    @property
+    def num_outliers(self) -> int:
+        return self.outlier_blocks.shape[1]
+
+
+def build_layout(entries: list, chunk_size: int) -> CompressedLayout | None:
+    """Layout of a prefix given one entry per page (page id or ChunkRef); None if all dense."""
+    compressed = [i for i, e in enumerate(entries) if isinstance(e, ChunkRef)]
+    if not compressed:
+        return None
+    end = (compressed[-1] + 1) * chunk_size
+    dense_spans, start = [], None
+    for i, e in enumerate(entries[:compressed[-1] + 1]):
+        if not isinstance(e, ChunkRef) and start is None:
+            start = i
+        elif isinstance(e, ChunkRef) and start is not None:
+            dense_spans.append((start * chunk_size, i * chunk_size))
+            start = None
+    by_segment: dict[int, tuple[Segment, list[int]]] = {}
+    for i in compressed:
+        ref = entries[i]
+        by_segment.setdefault(id(ref.segment), (ref.segment, []))[1].append(ref.index)
+    slots, blocks, los, his = [], [], [], []
+    for seg, indices in by_segment.values():
+        idx = torch.tensor(indices, device=seg.chunk_slots.device)
+        slots.append(seg.chunk_slots[idx])
+        blocks.append(seg.outlier_blocks)
+        lo, hi = seg.start + min(indices) * chunk_size, seg.start + (max(indices) + 1) * chunk_size
+        los.append(torch.full_like(seg.outlier_blocks, lo))
+        his.append(torch.full_like(seg.outlier_blocks, hi))
+    return CompressedLayout(torch.cat(slots), torch.cat(blocks, 1), torch.cat(los, 1), torch.cat(his, 1),
+                            dense_spans, end, [seg for seg, _ in by_segment.values()],
+                            [len(indices) for _, indices in by_segment.values()])
+
+
+def segment_layout(seg: Segment, chunk_size: int) -> CompressedLayout:
+    """Layout of a prefix that is dense up to the segment and then the whole segment."""
+    entries = [0] * (seg.start // chunk_size) + [ChunkRef(seg, i) for i in range(seg.num_chunks)]
+    return build_layout(entries, chunk_size)
+
+
+def pad_outliers(layouts: list[CompressedLayout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, Hkv, Omax] outlier blocks (-1 padded) and their position bounds."""
+    def pad(name: str, value: int) -> torch.Tensor:
+        rows = [getattr(lay, name).T for lay in layouts]
+        return pad_sequence(rows, batch_first=True, padding_value=value).permute(0, 2, 1).contiguous()
+
+    return pad("outlier_blocks", -1), pad("outlier_lo", 0), pad("outlier_hi", 0)
 
 
 @dataclass
 class ShadowReqState:
-    segment: Segment  # reserved at admission, filled when the prompt's prefill completes
     scratch_row: int  # the request's chunk-cache scratch in the SparseDecoder
+    segment: Segment | None = None  # its own prompt span to compress at prefill (None: nothing)
     compress_now: bool = False  # this step completes the prompt: compress after each layer's attention
-    compressed: bool = False  # decode runs the sparse path; the segment's dense pages are freed
+    layout: CompressedLayout | None = None  # set when the prompt is done: decode runs the sparse path

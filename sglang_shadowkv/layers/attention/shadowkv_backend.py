@@ -1,9 +1,11 @@
 """ShadowKV behind the attention-backend interface.
 
 Prompts and requests that stay dense go through the wrapped dense backend; decode tokens of
-compressed requests go through the sparse decoder. In the step that completes a compressed
-request's prompt, each layer compresses the segment right after its dense attention has run, so
-the dense prefill is exact and the dense pages of the segment can be freed after the step.
+requests with a compressed prefix go through the sparse decoder. In the step that completes a
+request's long prompt, each layer compresses its segment right after its dense attention has run,
+so the dense prefill is exact and the dense pages of the segment can be freed after the step.
+Outside a step, `compress_span` compresses a request's long dense tail when it finishes, and
+`restore` brings compressed chunks back dense for a suffix prefill.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import torch
 
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
 from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool
-from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+from sglang_shadowkv.mem_cache.shadow_pool import ChunkRef, Segment, ShadowKVPool
 from sglang_shadowkv.shadowkv.compress import compress_layer
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
+from sglang_shadowkv.shadowkv.restore import restore_chunks
 
 from .base import AttentionBackend, ForwardBatch
 
@@ -29,7 +32,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
 
     def begin_step(self, batch: ForwardBatch) -> None:
         shadow = batch.shadow or [None] * batch.batch_size
-        sparse = [i for i, st in enumerate(shadow) if st is not None and st.compressed]
+        sparse = [i for i, st in enumerate(shadow) if st is not None and st.layout is not None]
         dense = [i for i in range(batch.batch_size) if i not in set(sparse)]
         if any(batch.extend_lens[i] != 1 for i in sparse):
             raise ValueError("a compressed request can only decode one token per step")
@@ -45,7 +48,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
         if sparse:
             self.sparse_rows = batch.q_indptr[sparse].long()  # each request's only token
             self.plan = self.decoder.plan_step(self.req_to_token.table, [
-                SparseRequest(batch.pool_rows[i], shadow[i].scratch_row, shadow[i].segment, batch.seq_lens[i])
+                SparseRequest(batch.pool_rows[i], shadow[i].scratch_row, shadow[i].layout, batch.seq_lens[i])
                 for i in sparse])
         self.to_compress = [(batch.pool_rows[i], st) for i, st in enumerate(shadow)
                             if st is not None and st.compress_now]
@@ -59,8 +62,24 @@ class ShadowKVAttentionBackend(AttentionBackend):
                 out[self.dense_rows] = self.dense.attend(q[self.dense_rows], layer, self.dense_batch)
             out[self.sparse_rows] = self.decoder.attend(q[self.sparse_rows], layer, self.plan, self.pool)
         for row, st in self.to_compress:
-            seg = st.segment
-            slots = self.req_to_token.table[row, seg.start:seg.start + seg.num_tokens].long()
-            compress_layer(self.store, seg, layer, self.pool.k_buffers[layer][slots],
-                           self.pool.v_buffers[layer][slots], self.rotary, self.cfg)
+            self._compress_layer(row, st.segment, layer)
         return out
+
+    def _compress_layer(self, row: int, seg: Segment, layer: int) -> None:
+        slots = self.req_to_token.table[row, seg.start:seg.start + seg.num_tokens].long()
+        compress_layer(self.store, seg, layer, self.pool.k_buffers[layer][slots],
+                       self.pool.v_buffers[layer][slots], self.rotary, self.cfg)
+
+    def compress_span(self, row: int, seg: Segment) -> None:
+        """Compress the segment's span of a request's dense KV, every layer (outside a step)."""
+        for layer in range(len(self.pool.k_buffers)):
+            self._compress_layer(row, seg, layer)
+
+    def restore(self, row: int, start: int, refs: list[ChunkRef]) -> None:
+        """Write the dense K/V of consecutive chunks, from token `start` on, into the slots the
+        request's table row gives those tokens, every layer."""
+        slots = self.req_to_token.table[row, start:start + len(refs) * self.store.chunk_size].long()
+        for layer in range(len(self.pool.k_buffers)):
+            k, v = restore_chunks(self.store, refs, layer, self.rotary)
+            self.pool.k_buffers[layer][slots] = k
+            self.pool.v_buffers[layer][slots] = v

@@ -1,0 +1,183 @@
+"""The scheduler's ShadowKV side: compressed state as radix-cache payload (DESIGN.md §3).
+
+A request's page entries (see Req.pages) may be compressed ChunkRefs matched from the tree. At
+admission they are restored dense into temporary pages so the request's own suffix can prefill
+against them; a long unmatched prompt gets its own segment, compressed during the step that
+completes the prompt. Once the prompt is done the temporary pages go back, the own span's dense
+pages are replaced by ChunkRefs, and decode runs the sparse path over every compressed chunk of
+the prefix. When the request finishes, a long dense tail (a chat that grew) is compressed into a
+new segment, and all entries go to the tree, so the next turn reuses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from sglang_shadowkv.mem_cache.radix_cache import RadixCache
+from sglang_shadowkv.mem_cache.shadow_pool import ChunkRef, Segment
+from sglang_shadowkv.shadowkv.memory_report import request_report
+from sglang_shadowkv.shadowkv.request_state import ShadowReqState, build_layout
+
+from .model_runner import ModelRunner
+from .request import Req
+
+logger = logging.getLogger(__name__)
+
+
+class ShadowKVManager:
+    def __init__(self, runner: ModelRunner, tree: RadixCache, page_size: int, stats: dict):
+        self.cfg, self.store, self.decoder = runner.shadow_cfg, runner.shadow_pool, runner.decoder
+        self.runner, self.pool, self.tree, self.page_size = runner, runner.pool, tree, page_size
+        if page_size != self.cfg.chunk_size:
+            raise ValueError(f"attention='shadowkv' needs page_size == shadowkv_chunk_size "
+                             f"(got {page_size} and {self.cfg.chunk_size})")
+        self.stats = stats
+        stats.update(compressed_requests=0, compressed_tokens=0, compressions=0,
+                     compressed_prefix_hits=0, compressed_tokens_reused=0, tail_compressions=0)
+
+    # ---- entries ------------------------------------------------------------------------------
+    def release_entries(self, entries: list) -> None:
+        """Give back page entries: dense pages to the pool, chunk references to their segments."""
+        self.pool.free([e for e in entries if isinstance(e, int)])
+        self.store.release_chunks([e for e in entries if isinstance(e, ChunkRef)])
+
+    def check_capacity(self, prompt_len: int) -> None:
+        span = self.cfg.compressed_len(prompt_len, self.page_size)
+        capacity = self.store.chunk_capacity * self.cfg.chunk_size
+        if span > capacity:
+            raise ValueError(f"prompt compresses to {span} tokens but the ShadowKV pools hold "
+                             f"{capacity}; raise shadowkv_host_tokens")
+
+    def _alloc_segment(self, start: int, span: int) -> Segment | None:
+        """A segment for span tokens from start, evicting compressed tree leaves if the pools are full."""
+        outliers = self.cfg.num_outliers(span // self.cfg.chunk_size)
+        seg = self.store.alloc_segment(start, span, outliers)
+        if seg is None and self.tree.evictable_chunks:
+            self.tree.evict(0, span // self.cfg.chunk_size)
+            seg = self.store.alloc_segment(start, span, outliers)
+        return seg
+
+    # ---- admission ----------------------------------------------------------------------------
+    def plan(self, req: Req, entries: list) -> ShadowReqState | None | bool:
+        """ShadowKV state for a request about to be admitted with the matched entries: None when
+        it stays plain dense, False when the pools are full (wait)."""
+        matched_chunks = any(isinstance(e, ChunkRef) for e in entries)
+        start = len(entries) * self.page_size
+        own = self.cfg.compressed_len(len(req.input_ids) - start, self.page_size)
+        if not matched_chunks and not own:
+            return None
+        seg = self._alloc_segment(start, own) if own else None
+        row = self.decoder.alloc_row() if (seg is not None or not own) else None
+        if row is None:
+            if seg is not None:
+                self.store.free_segment(seg)
+            return False
+        return ShadowReqState(row, seg)
+
+    def restore_matched(self, req: Req) -> None:
+        """Bring the matched compressed chunks back dense into temporary pages for the prefill."""
+        positions = [i for i, e in enumerate(req.pages) if isinstance(e, ChunkRef)]
+        if not positions:
+            return
+        if self.pool.num_free < len(positions):
+            self.tree.evict(len(positions) - self.pool.num_free)
+        pages = self.pool.alloc(len(positions))
+        if pages is None:
+            raise RuntimeError("pool exhausted while restoring a compressed prefix (admission reserved it)")
+        req.temp_pages = pages
+        ps = self.page_size
+        dense = list(req.pages)
+        for i, page in zip(positions, pages):
+            dense[i] = page
+        self.runner.req_to_token.write(req.pool_row, 0, self.pool.slots_of_pages(dense, len(dense) * ps))
+        run_start = 0
+        for k in range(1, len(positions) + 1):  # one restore per run of consecutive positions
+            if k == len(positions) or positions[k] != positions[k - 1] + 1:
+                first = positions[run_start]
+                self.runner.backend.restore(req.pool_row, first * ps, [req.pages[p] for p in positions[run_start:k]])
+                run_start = k
+        self.stats["compressed_prefix_hits"] += 1
+        self.stats["compressed_tokens_reused"] += len(positions) * ps
+
+    # ---- prompt done --------------------------------------------------------------------------
+    def on_prompt_done(self, req: Req) -> None:
+        """After the step that completed the prompt (and compressed the own span, if any)."""
+        st = req.shadow
+        if st.segment is not None:
+            self.store.wait_host_writes()  # the next step's value gathers read them
+            self._swap_in_chunk_refs(req, st.segment)
+            self.stats["compressed_requests"] += 1
+            st.segment = None
+        st.compress_now = False
+        self.pool.free(req.temp_pages)
+        req.temp_pages = []
+        st.layout = build_layout(req.pages, self.cfg.chunk_size)
+
+    def _swap_in_chunk_refs(self, req: Req, seg: Segment) -> None:
+        """The segment is compressed: its span's dense pages are freed, ChunkRefs take their place."""
+        first = seg.start // self.page_size
+        refs = self.store.chunk_refs(seg)
+        self.pool.free(req.pages[first:first + len(refs)])
+        req.pages[first:first + len(refs)] = refs
+        self.stats["compressions"] += 1
+        self.stats["compressed_tokens"] += seg.num_tokens
+
+    # ---- release ------------------------------------------------------------------------------
+    def before_release(self, req: Req) -> None:
+        """Report, free what only the request used, and compress a long own dense tail."""
+        st = req.shadow
+        if st.layout is not None:
+            req.shadowkv_info = self.report(req)
+        if st.segment is not None:  # aborted before its prompt was compressed
+            self.store.free_segment(st.segment)
+            st.segment = None
+        self.pool.free(req.temp_pages)
+        req.temp_pages = []
+        self.decoder.free_row(st.scratch_row)
+        if req.prompt_done and req.finish_reason.get("type") != "abort":
+            self._compress_tail(req)
+
+    def _compress_tail(self, req: Req) -> None:
+        ps = self.page_size
+        last_chunk = max((i for i, e in enumerate(req.pages) if isinstance(e, ChunkRef)), default=-1)
+        first = max(req.num_borrowed, last_chunk + 1)
+        whole = req.num_computed // ps
+        span = self.cfg.compressed_len((whole - first) * ps, ps)
+        if span <= 0:
+            return
+        seg = self._alloc_segment(first * ps, span)
+        if seg is None:
+            logger.info("ShadowKV pools full: request %s's dense tail stays dense", req.rid)
+            return
+        self.runner.backend.compress_span(req.pool_row, seg)
+        self.store.wait_host_writes()
+        self._swap_in_chunk_refs(req, seg)
+        self.stats["tail_compressions"] += 1
+
+    # ---- numbers ------------------------------------------------------------------------------
+    def report(self, req: Req) -> dict:
+        dense_tokens = sum(isinstance(e, int) for e in req.pages) * self.page_size
+        return request_report(self.store, self.decoder, req.shadow.layout, req.shadow.scratch_row,
+                              dense_tokens, self.pool.bytes_per_token, req.num_computed)
+
+    def server_stats(self, running: list[Req]) -> dict:
+        """Totals over running requests with a compressed prefix, the cache's compressed state,
+        pool capacity, and the cumulative counters."""
+        live = [r for r in running if r.shadow is not None and r.shadow.layout is not None]
+        reports = [self.report(r) for r in live]
+        total = {key: sum(r[key] for r in reports) for key in
+                 ("dense_kv_bytes", "gpu_compressed_bytes", "gpu_scratch_bytes", "gpu_total_bytes",
+                  "host_bytes", "full_kv_bytes", "chunk_cache_hits", "chunk_cache_lookups")}
+        total["gpu_saving_vs_full"] = total["full_kv_bytes"] / total["gpu_total_bytes"] if reports else 0.0
+        total["chunk_cache_hit_rate"] = (total["chunk_cache_hits"] / total["chunk_cache_lookups"]
+                                         if total["chunk_cache_lookups"] else 0.0)
+        counters = {k: self.stats[k] for k in ("compressed_requests", "compressed_tokens", "compressions",
+                                               "tail_compressions", "compressed_prefix_hits",
+                                               "compressed_tokens_reused")}
+        return {"config": dataclasses.asdict(self.cfg), "running_compressed_requests": len(reports),
+                "running_total": total, "per_request": {r.rid: rep for r, rep in zip(live, reports)},
+                "pools": self.store.capacity_bytes(),
+                "radix_cache": {"compressed_tokens": self.tree.total_chunks * self.cfg.chunk_size,
+                                "evictable_compressed_tokens": self.tree.evictable_chunks * self.cfg.chunk_size},
+                **counters}
