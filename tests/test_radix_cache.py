@@ -113,3 +113,82 @@ def test_lru_evicts_oldest_first():
     tree.evict(1)
     assert tree.match_prefix([5] * 4).num_pages == 0
     assert tree.match_prefix([6] * 4).pages == new
+
+
+# ---- compressed entries: ChunkRefs of ShadowKV segments beside dense pages ------------------------
+def make_mixed(num_pages=40, num_chunks=40):
+    import torch
+
+    from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+
+    pool = PagedKVPool(num_pages, PAGE, 1, 1, 2, dtype=torch.float32, device="cpu")
+    store = ShadowKVPool(num_chunks, 16, 1, PAGE, 1, 1, 2, 2, torch.float32, "cpu")
+
+    def release(entries):
+        pool.free([e for e in entries if isinstance(e, int)])
+        store.release_chunks([e for e in entries if not isinstance(e, int)])
+
+    return pool, store, RadixCache(PAGE, release), release
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.lists(st.booleans(), min_size=40, max_size=40))
+def test_every_page_and_chunk_is_owned_once(operations, compress_choices):
+    """Requests randomly compress their own span into a segment (ChunkRefs) before finishing;
+    matches split compressed nodes; evictions release segments. Every dense page is in the tree,
+    a running request or free; every live segment's refs are exactly the references the tree and
+    the running requests hold, and a segment with none is freed."""
+    from sglang_shadowkv.mem_cache.shadow_pool import ChunkRef
+
+    pool, store, tree, release = make_mixed()
+    running = []
+    for step, (op, tokens, n) in enumerate(operations):
+        if op == "start":
+            m = tree.match_prefix(tokens)
+            tree.lock(m.node)
+            need = -(-len(tokens) // PAGE) - m.num_pages
+            if pool.num_free < need:
+                tree.evict(need - pool.num_free)
+            own = pool.alloc(need)
+            if own is None:
+                tree.unlock(m.node)
+                continue
+            entries = list(m.pages) + own
+            borrowed = m.num_pages
+            whole = len(tokens) // PAGE
+            if compress_choices[step] and whole > borrowed:  # compress the own whole pages
+                seg = store.alloc_segment(borrowed * PAGE, (whole - borrowed) * PAGE, 1)
+                if seg is None:
+                    tree.evict(0, whole - borrowed)
+                    seg = store.alloc_segment(borrowed * PAGE, (whole - borrowed) * PAGE, 1)
+                if seg is not None:
+                    refs = store.chunk_refs(seg)
+                    pool.free(entries[borrowed:whole])
+                    entries[borrowed:whole] = refs
+            running.append({"tokens": tokens, "entries": entries, "borrowed": borrowed, "node": m.node})
+        elif op == "finish" and running:
+            r = running.pop(n % len(running))
+            whole = len(r["tokens"]) // PAGE
+            present = tree.insert(r["tokens"], r["entries"][:whole])
+            release(r["entries"][r["borrowed"]:present] + r["entries"][whole:])
+            tree.unlock(r["node"])
+            assert tree.match_prefix(r["tokens"]).num_pages == whole
+        elif op == "evict":
+            tree.evict(n, n % 3)
+        # invariants
+        tree_entries = _tree_pages(tree)
+        held = [e for r in running for e in r["entries"][r["borrowed"]:]]
+        pages = [e for e in tree_entries + held if isinstance(e, int)] + pool._free
+        assert sorted(pages) == sorted(set(pages)) and len(pages) == pool.capacity
+        counts: dict[int, int] = {}
+        for e in tree_entries + held:
+            if isinstance(e, ChunkRef):
+                counts[id(e.segment)] = counts.get(id(e.segment), 0) + 1
+        assert {id(s): s.refs for s in store.live.values()} == counts
+        assert store.free_chunks + sum(s.num_chunks for s in store.live.values()) == store.chunk_capacity
+        assert tree.total_chunks == sum(isinstance(e, ChunkRef) for e in tree_entries)
+    for r in running:
+        tree.unlock(r["node"])
+        release(r["entries"][r["borrowed"]:])
+    assert tree.flush()
+    assert pool.num_free == pool.capacity and store.free_chunks == store.chunk_capacity and not store.live

@@ -187,3 +187,108 @@ def test_prompt_beyond_the_compressed_pools_is_rejected(shadow_engine):
     with pytest.raises(ValueError, match="shadowkv_host_tokens"):
         shadow_engine.generate(input_ids=ids, sampling_params=GREEDY)
     assert_pool_clean(shadow_engine)
+
+
+def document_and_questions(tokenizer, num_tokens: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randint(0, len(SENTENCES), (num_tokens // 8,), generator=gen).tolist()
+    doc = tokenizer.encode(" ".join(SENTENCES[i] for i in order), add_special_tokens=False)[:num_tokens]
+    questions = ["what did the merchants bring?", "what did the children learn from?",
+                 "what did the farmers dig?", "where were the records kept?", "what did the town smell of?"]
+    return doc, [tokenizer.encode(f"\nQuestion: {q} Answer:", add_special_tokens=False) for q in questions]
+
+
+def counters(eng) -> dict:
+    return dict(eng.get_server_info()["stats"])
+
+
+def test_a_compressed_document_is_shared_by_later_requests(shadow_engine):
+    shadow_engine.flush_cache()
+    doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 21)
+    sampling = {"max_new_tokens": 32, "temperature": 0}
+    shadow_engine.generate(input_ids=doc + questions[0], sampling_params=sampling)
+    before = counters(shadow_engine)
+    shared = shadow_engine.generate(input_ids=doc + questions[1], sampling_params=sampling)
+    after = counters(shadow_engine)
+    span = (1200 + len(questions[0]) - 64) // 8 * 8
+    assert shared["meta_info"]["cached_tokens"] == 1200  # the document: compressed chunks + dense tail
+    assert shared["meta_info"]["shadowkv"]["compressed_tokens"] == span
+    assert after["compressions"] == before["compressions"]  # nothing compressed again
+    assert after["compressed_prefix_hits"] == before["compressed_prefix_hits"] + 1
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(questions[1])
+    assert_pool_clean(shadow_engine)
+    assert_shadow_pools_clean(shadow_engine)  # flushes
+    alone = shadow_engine.generate(input_ids=doc + questions[1], sampling_params=sampling)
+    agree = sum(a == b for a, b in zip(shared["output_ids"], alone["output_ids"])) / 32
+    assert agree >= 0.95, (shared["text"], alone["text"])
+
+
+def test_multi_turn_chat_compresses_the_document_once(shadow_engine):
+    shadow_engine.flush_cache()
+    doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 22)
+    before = counters(shadow_engine)
+    history, cached = list(doc), []
+    for question in questions:  # 5 turns, each prompt = the previous turns + a new question
+        prompt = history + question
+        out = shadow_engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0})
+        cached.append(out["meta_info"]["cached_tokens"])
+        history = prompt + out["output_ids"]
+    after = counters(shadow_engine)
+    assert after["compressions"] - before["compressions"] == 1
+    assert after["compressed_prefix_hits"] - before["compressed_prefix_hits"] == 4
+    assert cached[0] == 0 and all(c >= 1200 for c in cached[1:])
+    assert after["prefill_tokens"] - before["prefill_tokens"] < 1200 + 5 * 40  # the document once
+    assert_pool_clean(shadow_engine)
+    assert_shadow_pools_clean(shadow_engine)
+
+
+def test_a_long_dense_tail_becomes_a_second_segment(shadow_engine):
+    shadow_engine.flush_cache()
+    doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 23)
+    long_message = long_prompt(shadow_engine.tokenizer, 400, 24)  # below the 512-token threshold
+    first = doc + questions[0]
+    out = shadow_engine.generate(input_ids=first, sampling_params={"max_new_tokens": 4, "temperature": 0})
+    second = first + out["output_ids"] + long_message
+    before = counters(shadow_engine)
+    out = shadow_engine.generate(input_ids=second, sampling_params={"max_new_tokens": 128, "temperature": 0,
+                                                                    "ignore_eos": True})
+    assert out["meta_info"]["shadowkv"]["segments"] == 1  # the document; its own part stayed dense
+    assert counters(shadow_engine)["tail_compressions"] == before["tail_compressions"] + 1
+    third = second + out["output_ids"] + questions[1]
+    out = shadow_engine.generate(input_ids=third, sampling_params={"max_new_tokens": 8, "temperature": 0})
+    info = out["meta_info"]["shadowkv"]
+    assert info["segments"] == 2 and info["compressed_tokens"] > 1200 + 400
+    assert_pool_clean(shadow_engine)
+    assert_shadow_pools_clean(shadow_engine)
+
+
+def test_restore_brings_back_keys_and_values():
+    """At full rank, restored chunks equal the compressed keys (outliers exactly) and values."""
+    from sglang_shadowkv.layers.rotary import RotaryEmbedding
+    from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+    from sglang_shadowkv.shadowkv.compress import compress_layer
+    from sglang_shadowkv.shadowkv.restore import restore_chunks
+
+    gen = torch.Generator().manual_seed(5)
+    c, h, d, n = 4, 2, 8, 10
+    cfg = ShadowKVConfig(rank=h * d, outliers=2, chunk_size=c)
+    store = ShadowKVPool(3 * n, 2, 2, c, 1, h, d, h * d, torch.float32, "cpu")
+    store.alloc_segment(0, 8, 1)  # so the next segment's slots are not the first ones
+    seg = store.alloc_segment(16, n * c, 2)
+    rotary = RotaryEmbedding(d, 10000.0, 256)
+    k = torch.randn(n * c, h, d, generator=gen)
+    v = torch.randn(n * c, h, d, generator=gen)
+    compress_layer(store, seg, 0, k, v, rotary, cfg)
+    refs = store.chunk_refs(seg)
+    got_k, got_v = restore_chunks(store, refs[2:7], 0, rotary)
+    torch.testing.assert_close(got_k, k[8:28], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_v, v[8:28])
+    store = ShadowKVPool(n, 1, 2, c, 1, h, d, 4, torch.float32, "cpu")  # rank 4
+    seg = store.alloc_segment(16, n * c, 2)
+    compress_layer(store, seg, 0, k, v, rotary, ShadowKVConfig(rank=4, outliers=2, chunk_size=c))
+    got_k, _ = restore_chunks(store, store.chunk_refs(seg), 0, rotary)
+    outlier_chunks = ((store.outlier_pos[0][seg.outlier_blocks.long()] - 16) // c).tolist()
+    for head in range(h):
+        for chunk in outlier_chunks[head]:  # exact where the chunk is an outlier of that head
+            torch.testing.assert_close(got_k[chunk * c:(chunk + 1) * c, head], k[chunk * c:(chunk + 1) * c, head])
+    assert (got_k - k).norm() / k.norm() > 1e-3  # and low-rank elsewhere

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
-from sglang_shadowkv.managers.detokenizer import run_detokenizer_process
+from sglang_shadowkv.managers.detokenizer_manager import run_detokenizer_process
 from sglang_shadowkv.managers.scheduler_process import IpcPaths, run_scheduler_process
 from sglang_shadowkv.managers.tokenizer_manager import ModelInfo, TokenizerManager
 from sglang_shadowkv.server_args import ServerArgs

@@ -1,22 +1,14 @@
 """Token ids to the text a client sees: special tokens skipped, stop strings trimmed.
 
-`output_dict` serves the offline Engine; `run_detokenizer_process` is the server's detokenizer
-process (SGLang's arrangement): it turns the scheduler's token outputs into cumulative text and
-passes them on to the tokenizer manager.
+Used by the offline Engine (`output_dict`) and by the server's detokenizer process
+(detokenizer_manager.py).
 """
 
 from __future__ import annotations
 
-import logging
-
-import zmq
-
 from sglang_shadowkv.sampling_params import SamplingParams
 
-from .io_struct import TextOut, TokenOut
 from .request import Req
-
-logger = logging.getLogger(__name__)
 
 
 def decode_text(tokenizer, output_ids: list[int], sampling: SamplingParams,
@@ -59,32 +51,3 @@ def output_dict(tokenizer, req: Req) -> dict:
     """The SGLang-shaped result of a finished request."""
     text = decode_text(tokenizer, req.output_ids, req.sampling, req.finish_reason)
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info(req)}
-
-
-class Detokenizer:
-    """Cumulative text per running request, from batches of new token ids."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.output_ids: dict[str, list[int]] = {}
-
-    def handle(self, out: TokenOut) -> TextOut:
-        ids = self.output_ids.setdefault(out.rid, [])
-        ids.extend(out.new_ids)
-        if out.finished:
-            del self.output_ids[out.rid]
-        text = "" if out.error else decode_text(self.tokenizer, ids, out.sampling,
-                                                 out.meta["finish_reason"], final=out.finished)
-        return TextOut(out.rid, text, out.new_ids, out.finished, out.meta, out.error)
-
-
-def run_detokenizer_process(tokenizer, from_scheduler: str, to_tokenizer_manager: str) -> None:
-    context = zmq.Context()
-    recv = context.socket(zmq.PULL)
-    recv.bind(from_scheduler)
-    send = context.socket(zmq.PUSH)
-    send.connect(to_tokenizer_manager)
-    detokenizer = Detokenizer(tokenizer)
-    while True:
-        batch: list[TokenOut] = recv.recv_pyobj()
-        send.send_pyobj([detokenizer.handle(out) for out in batch])

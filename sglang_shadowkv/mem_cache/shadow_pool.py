@@ -148,6 +148,17 @@ class ShadowKVPool:
             copy_runs(True)
         values.record_stream(self.d2h_stream)
 
+    def read_host_values(self, layer: int, seg: Segment, first: int, count: int) -> torch.Tensor:
+        """Values [count, Hkv, c, D] of chunks first..first+count-1 of a segment, on the pool's
+        device: one copy per run of consecutive slots, straight from pinned memory."""
+        parts = []
+        for slot, run, offset in seg.slot_runs:
+            lo, hi = max(first, offset), min(first + count, offset + run)
+            if lo < hi:
+                parts.append(self.host_v[layer][slot + lo - offset:slot + hi - offset].to(
+                    self.device, non_blocking=True))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
     def wait_host_writes(self) -> None:
         """Make the current stream wait for the value copies of finished compressions."""
         if self.d2h_stream is not None:

@@ -51,8 +51,20 @@ def embedded_model_path() -> str:
     return path
 
 
+# "random:NAME" model paths: these shapes with random weights (benchmarks on a device that has no
+# checkpoint), the embedded tokenizer (or --tokenizer-path) and its vocabulary.
+RANDOM_PRESETS = {
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                         num_kv_heads=8, head_dim=128, rope_theta=500000.0, context_length=131072),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                         num_kv_heads=3, head_dim=64, rope_theta=100000.0, context_length=8192),
+}
+
+
 def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device | str,
                context_length: int | None = None, tokenizer_path: str | None = None) -> LoadedModel:
+    if model_path is not None and str(model_path).startswith("random:"):
+        return _random_preset(str(model_path), dtype, device, context_length, tokenizer_path)
     path = Path(model_path or embedded_model_path())
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
@@ -93,6 +105,25 @@ def _build(config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device)
     model.rotary = type(model.rotary)(config.head_dim, config.rope_theta, config.context_length,
                                       config.rope_scaling).to(device)
     return model.eval()
+
+
+def _random_preset(model_path: str, dtype, device, context_length, tokenizer_path) -> LoadedModel:
+    name = model_path.removeprefix("random:")
+    if name not in RANDOM_PRESETS:
+        raise ValueError(f"model_path {model_path!r}: known random presets are "
+                         f"{['random:' + k for k in RANDOM_PRESETS]}")
+    from transformers import AutoTokenizer
+
+    if tokenizer_path is None:
+        gguf = Path(embedded_model_path())
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    config = ModelConfig(architecture="llama", vocab_size=len(tokenizer), name=name,
+                         eos_token_ids=[tokenizer.eos_token_id], **RANDOM_PRESETS[name])
+    if context_length is not None:
+        config.context_length = context_length
+    return LoadedModel(config, random_model(config, dtype, device), tokenizer, model_path)
 
 
 def random_model(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> LlamaForCausalLM:

@@ -36,7 +36,7 @@ def restore_chunks(pool: ShadowKVPool, refs: list[ChunkRef], layer: int,
         if head.numel():
             token = (first[head, which][:, None] + offsets).flatten()
             k[token, head.repeat_interleave(c)] = pool.outlier_k[layer][blocks[head, which]].reshape(-1, d)
-        v = pool.host_v[layer][slots.cpu()].to(pool.device, non_blocking=True)  # [m, H, c, D]
+        v = pool.read_host_values(layer, seg, indices[0], len(indices))  # [m, H, c, D]
         keys.append(k)
         values.append(v.permute(0, 2, 1, 3).reshape(-1, h, d))
     return torch.cat(keys), torch.cat(values)

@@ -1,0 +1,38 @@
+"""The server's detokenizer process (SGLang's arrangement): the scheduler's token outputs in,
+cumulative text out to the tokenizer manager."""
+
+from __future__ import annotations
+
+import zmq
+
+from .detokenizer import decode_text
+from .io_struct import TextOut, TokenOut
+
+
+class Detokenizer:
+    """Cumulative text per running request, from batches of new token ids."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.output_ids: dict[str, list[int]] = {}
+
+    def handle(self, out: TokenOut) -> TextOut:
+        ids = self.output_ids.setdefault(out.rid, [])
+        ids.extend(out.new_ids)
+        if out.finished:
+            del self.output_ids[out.rid]
+        text = "" if out.error else decode_text(self.tokenizer, ids, out.sampling,
+                                                 out.meta["finish_reason"], final=out.finished)
+        return TextOut(out.rid, text, out.new_ids, out.finished, out.meta, out.error)
+
+
+def run_detokenizer_process(tokenizer, from_scheduler: str, to_tokenizer_manager: str) -> None:
+    context = zmq.Context()
+    recv = context.socket(zmq.PULL)
+    recv.bind(from_scheduler)
+    send = context.socket(zmq.PUSH)
+    send.connect(to_tokenizer_manager)
+    detokenizer = Detokenizer(tokenizer)
+    while True:
+        batch: list[TokenOut] = recv.recv_pyobj()
+        send.send_pyobj([detokenizer.handle(out) for out in batch])
