@@ -292,3 +292,19 @@ def test_restore_brings_back_keys_and_values():
         for chunk in outlier_chunks[head]:  # exact where the chunk is an outlier of that head
             torch.testing.assert_close(got_k[chunk * c:(chunk + 1) * c, head], k[chunk * c:(chunk + 1) * c, head])
     assert (got_k - k).norm() / k.norm() > 1e-3  # and low-rank elsewhere
+
+
+def test_abort_during_a_suffix_prefill_frees_the_restored_pages(shadow_engine):
+    from sglang_shadowkv.sampling_params import SamplingParams
+
+    shadow_engine.flush_cache()
+    doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 25)
+    shadow_engine.generate(input_ids=doc + questions[0], sampling_params={"max_new_tokens": 2, "temperature": 0})
+    sched = shadow_engine.scheduler
+    long_suffix = long_prompt(shadow_engine.tokenizer, 700, 26)  # two prefill chunks of 512
+    req = sched.add_request("suffix", doc + long_suffix, SamplingParams(max_new_tokens=8))
+    sched.step()
+    assert req.temp_pages and not req.prompt_done  # the document restored, the suffix half done
+    assert sched.abort("suffix")
+    assert_pool_clean(shadow_engine)
+    assert_shadow_pools_clean(shadow_engine)
