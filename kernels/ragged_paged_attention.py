@@ -9,29 +9,47 @@ a decode step (q_len = 1) and a mix of both. GQA: query head h reads KV head h /
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 
-def ragged_paged_attention_reference(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale):
-    """Plain torch: gather each request's keys and values, masked softmax in float32."""
+def ragged_paged_attention_reference(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale,
+                                     hidden=None):
+    """Plain torch (SDPA in float32): gather each request's keys and values, causal softmax.
+
+    hidden: optional [num_slots, Hkv] bool, True where a KV head may not see a slot's key (the
+    eviction baselines); a request's own new tokens must not be hidden.
+    """
     out = torch.empty_like(q)
-    group = q.shape[1] // k_pool.shape[1]
     q_ptr, kv_ptr = q_indptr.tolist(), kv_indptr.tolist()
     for i in range(len(q_ptr) - 1):
         qs, qe, ks, ke = q_ptr[i], q_ptr[i + 1], kv_ptr[i], kv_ptr[i + 1]
-        q_len, kv_len = qe - qs, ke - ks
-        if q_len == 0:
+        if qe == qs:
             continue
         slots = kv_indices[ks:ke].long()
-        k = k_pool[slots].float().repeat_interleave(group, dim=1)  # [kv, Hq, D]
-        v = v_pool[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), k) * sm_scale
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        allowed = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        out[qs:qe] = causal_attention(q[qs:qe], k_pool[slots], v_pool[slots], sm_scale,
+                                      None if hidden is None else hidden[slots])
     return out
+
+
+def causal_attention(q, k, v, sm_scale, hidden=None):
+    """q [q_len, Hq, D] are the last q_len of the kv_len tokens of k/v [kv_len, Hkv, D]; query j
+    sees keys 0 .. kv_len - q_len + j, less those `hidden` [kv_len, Hkv] hides from its KV head."""
+    q_len, kv_len, num_heads = q.shape[0], k.shape[0], q.shape[1]
+    group = num_heads // k.shape[1]
+    mask = None
+    if hidden is not None and bool(hidden.any()):
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        causal = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        mask = (causal[None] & ~hidden.T[:, None, :]).repeat_interleave(group, dim=0)[None]
+    elif q_len != kv_len:
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None and q_len > 1, scale=sm_scale, enable_gqa=group > 1)
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 
-ATTENTION_MODES = ("full", "shadowkv")
+ATTENTION_MODES = ("full", "shadowkv", "streamingllm", "snapkv")
 _SKV = ShadowKVConfig()  # the ShadowKV defaults live in one place
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -22,7 +22,7 @@ class ServerArgs:
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     tokenizer_path: str | None = None
     served_model_name: str | None = None  # the model name of the OpenAI API; None: from model_path
-    attention: str = "full"  # "full" (dense KV) or "shadowkv"
+    attention: str = "full"  # "full" (dense KV), "shadowkv", or a baseline: "streamingllm", "snapkv"
     attention_backend: str | None = None  # torch | triton | flashinfer; None: best for the device
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
@@ -50,6 +50,10 @@ class ServerArgs:
     shadowkv_lowrank_method: str = _SKV.lowrank_method
     shadowkv_host_tokens: int | None = _SKV.host_tokens
     shadowkv_max_requests: int = _SKV.max_requests
+    # KV-eviction baselines (attention="streamingllm" or "snapkv"); see layers/attention/eviction_backend.py
+    eviction_budget: int = 1024  # KV tokens kept per KV head
+    streamingllm_sinks: int = 4  # first tokens StreamingLLM always keeps
+    snapkv_window: int = 32  # prompt's last tokens whose queries choose what SnapKV keeps
 
     def __post_init__(self) -> None:
         self.validate()
@@ -60,6 +64,15 @@ class ServerArgs:
         if self.attention_backend not in (None, "torch", "triton", "flashinfer"):
             raise ValueError("attention_backend must be torch, triton or flashinfer, "
                              f"got {self.attention_backend!r}")
+        if self.attention in ("streamingllm", "snapkv"):
+            if self.attention_backend not in (None, "torch"):
+                raise ValueError(f"attention={self.attention!r} runs on the torch backend (per-head "
+                                 f"masks), got attention_backend={self.attention_backend!r}")
+            _positive(self, "eviction_budget", "streamingllm_sinks", "snapkv_window")
+            kept = self.streamingllm_sinks if self.attention == "streamingllm" else self.snapkv_window
+            if self.eviction_budget <= kept:
+                raise ValueError(f"eviction_budget ({self.eviction_budget}) must exceed "
+                                 f"{'streamingllm_sinks' if self.attention == 'streamingllm' else 'snapkv_window'} ({kept})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _positive(self, "page_size", "max_running_requests", "chunked_prefill_size")
@@ -96,7 +109,11 @@ class ServerArgs:
         """One --flag per field, named like SGLang's (model_path -> --model-path)."""
         helps = {
             "model_path": "HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)",
-            "attention": "full: dense KV cache; shadowkv: compressed long-context KV cache",
+            "attention": "full: dense KV cache; shadowkv: compressed long-context KV cache; "
+                         "streamingllm, snapkv: KV-eviction baselines (accuracy comparisons, torch backend)",
+            "eviction_budget": "streamingllm/snapkv: KV tokens kept per KV head",
+            "streamingllm_sinks": "streamingllm: first tokens always kept (attention sinks)",
+            "snapkv_window": "snapkv: the prompt's last tokens whose attention picks what is kept",
             "attention_backend": "torch (reference), triton, flashinfer (default: best available)",
             "startup_timeout": "seconds to wait for the model to load before giving up",
             "served_model_name": "model name of the OpenAI API (default: the model file or folder name)",

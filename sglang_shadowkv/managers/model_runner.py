@@ -8,10 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from sglang_shadowkv.layers.attention import ForwardBatch, create_attention_backend
+from sglang_shadowkv.layers.attention.eviction_backend import (
+    EVICTION_POLICIES, EvictionAttentionBackend, make_eviction_policy)
 from sglang_shadowkv.layers.attention.shadowkv_backend import ShadowKVAttentionBackend
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool
 from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
-from sglang_shadowkv.models.loader import load_model
+from sglang_shadowkv.models.loader import LoadedModel, load_model
 from sglang_shadowkv.server_args import ServerArgs
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder
@@ -31,6 +33,8 @@ class StepItem:
     token_ids: list[int]
     start: int
     shadow: object | None = None  # the request's ShadowReqState when attention="shadowkv"
+    prompt_len: int | None = None  # the request's prompt length (None: not tracked)
+    cached_len: int = 0  # prompt tokens the radix cache supplied (this request did not prefill them)
 
     @property
     def seq_len(self) -> int:
@@ -60,11 +64,12 @@ def default_backend(device: torch.device) -> str:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ServerArgs, loaded: LoadedModel | None = None):
+        """loaded: a model already in memory (benchmarks build several runners over one model)."""
         self.device = resolve_device(args)
         self.dtype = resolve_dtype(args, self.device)
-        self.loaded = load_model(args.model_path, self.dtype, self.device, args.context_length,
-                                 args.tokenizer_path)
+        self.loaded = loaded or load_model(args.model_path, self.dtype, self.device, args.context_length,
+                                           args.tokenizer_path)
         self.config = cfg = self.loaded.config
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
@@ -79,8 +84,14 @@ class ModelRunner:
         self.pool = PagedKVPool(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads,
                                 cfg.head_dim, self.dtype, self.device)
         self.req_to_token = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
-        self.backend_name = args.attention_backend or default_backend(self.device)
-        self.backend = create_attention_backend(self.backend_name, self.pool, cfg.num_heads, cfg.head_dim)
+        # the eviction baselines hide keys per KV head: only the torch reference path takes masks
+        self.backend_name = ("torch" if args.attention in EVICTION_POLICIES
+                             else args.attention_backend or default_backend(self.device))
+        if args.attention in EVICTION_POLICIES:
+            self.backend = EvictionAttentionBackend(self.pool, cfg.num_heads, cfg.head_dim,
+                                                    make_eviction_policy(args))
+        else:
+            self.backend = create_attention_backend(self.backend_name, self.pool, cfg.num_heads, cfg.head_dim)
         if self.shadow_cfg is not None:
             self.backend = ShadowKVAttentionBackend(self.backend, self.shadow_pool, self.shadow_cfg,
                                                     self.model.rotary, self.req_to_token, self.decoder)
@@ -120,7 +131,8 @@ class ModelRunner:
             input_ids=input_ids.to(dev), positions=positions.to(dev), out_cache_loc=out_cache_loc,
             q_indptr=q_indptr.to(dev), kv_indptr=kv_indptr.to(dev), kv_indices=kv_indices,
             extend_lens=q_lens, seq_lens=seq_lens, pool_rows=[it.pool_row for it in items],
-            shadow=[it.shadow for it in items])
+            shadow=[it.shadow for it in items], prompt_lens=[it.prompt_len for it in items],
+            cached_lens=[it.cached_len for it in items])
 
     def forward(self, items: list[StepItem]) -> torch.Tensor:
         """Run one step; logits [len(items), vocab] of each item's last token."""

@@ -134,7 +134,8 @@ class Scheduler:
             if req.shadow is not None and not req.prompt_done:
                 completes = req.num_computed + len(pending) >= len(req.input_ids)
                 req.shadow.compress_now = completes and req.shadow.segment is not None
-            items.append(StepItem(req.pool_row, pending, req.num_computed, req.shadow))
+            items.append(StepItem(req.pool_row, pending, req.num_computed, req.shadow,
+                                  len(req.input_ids), req.cached_tokens))
             reqs.append(req)
         prompt_was_done = [req.prompt_done for req in reqs]
         logits = self.runner.forward(items)

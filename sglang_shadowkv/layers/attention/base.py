@@ -30,6 +30,8 @@ class ForwardBatch:
     seq_lens: list[int]
     pool_rows: list[int] | None = None  # each request's row of the request-to-token table
     shadow: list | None = None  # each request's ShadowReqState (None: plain dense request)
+    prompt_lens: list | None = None  # each request's prompt length (None: not tracked)
+    cached_lens: list | None = None  # each request's prompt tokens supplied by the radix cache
 
     @property
     def batch_size(self) -> int:
@@ -75,7 +77,9 @@ class ForwardBatch:
             out_cache_loc=self.out_cache_loc[token_rows.to(self.out_cache_loc.device)],
             q_indptr=indptr(extend), kv_indptr=indptr(seq), kv_indices=self.kv_indices[kv_rows],
             extend_lens=extend, seq_lens=seq,
-            pool_rows=None if self.pool_rows is None else [self.pool_rows[i] for i in requests])
+            pool_rows=None if self.pool_rows is None else [self.pool_rows[i] for i in requests],
+            prompt_lens=None if self.prompt_lens is None else [self.prompt_lens[i] for i in requests],
+            cached_lens=None if self.cached_lens is None else [self.cached_lens[i] for i in requests])
         return sub, token_rows
 
     @property

@@ -1,0 +1,418 @@
+"""Decode throughput on the GPU: ShadowKV against full attention, side by side in one run.
+
+A Llama-3.1-8B-shaped model (32 layers, hidden 4096, 32 query heads, 8 KV heads, head dim 128;
+random bf16 weights made on the device) decodes through the engine's real path: ModelRunner.forward
+(embedding, 32 layers through the attention backend, lm_head) with each step's greedy tokens fed
+back, eagerly and as a CUDA graph (managers/cuda_graph.py). Requests are put straight into the
+decode state, because prefilling B x 122K tokens would take longer than the device session: full
+attention gets random KV in its paged pool; ShadowKV gets segments made by the real compression
+(compress_layer) from synthetic pre-RoPE keys, plus a dense window of its last tokens.
+
+Keys: `random` (i.i.d.: consecutive steps pick unrelated chunks, the chunk cache's worst case) and
+`lowrank` (a smooth rank-32 process with a shared mean direction and a few heavy chunks, closer to
+real text). Queries come from the random-weight model either way, so the measured hit rate is a
+lower bound of what a trained model sees.
+
+Per context: full attention at the largest batch whose KV fits on the GPU; ShadowKV at each batch
+up to its largest (GPU memory or the pinned host budget, whichever binds). Gain = best ShadowKV
+tok/s / best full tok/s. Also: GPU bytes per sequence, chunk-cache hit rate, a per-layer kernel
+time breakdown (torch.profiler over eager steps), measured HBM and PCIe bandwidth, the value-gather
+rate against the PCIe copy rate, and DESIGN.md's equivalent bandwidth from the measured terms.
+
+    python benchmarks/bench_throughput.py --tokenizer-path TOKENIZER_DIR          # the H100
+    python benchmarks/bench_throughput.py --tokenizer-path T --contexts 124928 --shared-context 124928
+    python benchmarks/bench_throughput.py --contexts 4096 --batches 1 2 --steps 2  # any GPU, quick
+
+Writes $OUT/bench_throughput.json (or --out); prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sglang_shadowkv.managers.cuda_graph import DecodeGraph  # noqa: E402
+from sglang_shadowkv.managers.model_runner import ModelRunner, StepItem  # noqa: E402
+from sglang_shadowkv.models.loader import load_model  # noqa: E402
+from sglang_shadowkv.server_args import ServerArgs  # noqa: E402
+from sglang_shadowkv.shadowkv.compress import compress_layer  # noqa: E402
+from sglang_shadowkv.shadowkv.request_state import ShadowReqState, segment_layout  # noqa: E402
+
+GiB = 1 << 30
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")  # CPU: only to check the script runs (tiny model)
+ACTIVATION_RESERVE = 6 * GiB  # left free for activations, workspaces and graphs
+
+
+# ---- measured physical limits ------------------------------------------------------------------------
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def bandwidths() -> dict:
+    def timed(fn, reps=10):
+        fn()
+        sync()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - t) / reps
+
+    size = GiB if CUDA else 64 << 20
+    a = torch.empty(2 * size, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    hbm = 2 * a.numel() / timed(lambda: b.copy_(a))  # read + write
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=CUDA)
+    dev = torch.empty(size, dtype=torch.uint8, device=DEV)
+    pcie = host.numel() / timed(lambda: dev.copy_(host, non_blocking=True))
+    del a, b, host, dev
+    return {"hbm_copy_GBps": hbm / 1e9, "pcie_pinned_h2d_GBps": pcie / 1e9}
+
+
+# ---- requests put into the decode state --------------------------------------------------------------
+def fill_normal(tensors, gen) -> None:
+    for t in tensors:
+        for part in t.view(-1).split(1 << 28):
+            part.normal_(generator=gen)
+
+
+def synthetic_keys(tokens: int, kv_dim: int, kind: str, gen) -> torch.Tensor:
+    """Pre-RoPE keys [tokens, kv_dim] (float32)."""
+    if kind == "random":
+        return torch.randn(tokens, kv_dim, device=DEV, generator=gen)
+    rank, smooth = 32, 64
+    z = torch.randn(1, rank, tokens + smooth - 1, device=DEV, generator=gen)
+    z = F.conv1d(z, torch.ones(rank, 1, smooth, device=DEV) / smooth ** 0.5, groups=rank)[0].T  # [tokens, rank]
+    k = z @ torch.randn(rank, kv_dim, device=DEV, generator=gen) + 2.0 * torch.randn(kv_dim, device=DEV, generator=gen)
+    k += 0.2 * torch.randn(tokens, kv_dim, device=DEV, generator=gen)
+    heavy = torch.rand(tokens // 8, device=DEV, generator=gen) < 0.02
+    return k * torch.where(heavy, 3.0, 1.0).repeat_interleave(8)[:, None]
+
+
+def runner_args(loaded, attention: str, backend: str, batch: int, pool_tokens: int, **extra) -> ServerArgs:
+    return ServerArgs(model_path=loaded.model_path, attention=attention, attention_backend=backend, device=DEV.type,
+                      max_total_tokens=pool_tokens, max_running_requests=batch, **extra)
+
+
+def give_pages(runner: ModelRunner, row: int, start: int, tokens: int) -> None:
+    pages = runner.pool.alloc(math.ceil(tokens / runner.pool.page_size))
+    runner.req_to_token.write(row, start, runner.pool.slots_of_pages(pages, tokens))
+
+
+def full_requests(loaded, backend: str, batch: int, context: int, gen, shared: bool = False):
+    """`batch` requests at `context` tokens; shared: one document's pages (a radix-cache hit) for all
+    but each request's last page."""
+    ps = 8
+    pool_tokens = (context + batch * ps if shared else batch * context) + 64
+    runner = ModelRunner(runner_args(loaded, "full", backend, batch, pool_tokens), loaded)
+    fill_normal(runner.pool.k_buffers + runner.pool.v_buffers, gen)
+    doc = context - ps
+    if shared:
+        doc_slots = runner.pool.slots_of_pages(runner.pool.alloc(doc // ps), doc)
+    items = []
+    for _ in range(batch):
+        row = runner.req_to_token.alloc()
+        if shared:
+            runner.req_to_token.write(row, 0, doc_slots)
+            give_pages(runner, row, doc, context - doc)
+        else:
+            give_pages(runner, row, 0, context)
+        items.append(StepItem(row, [0], context - 1))
+    return runner, items
+
+
+def compressed_segment(runner: ModelRunner, loaded, span: int, keys: str, gen):
+    """A segment of `span` tokens made by the real compression from synthetic keys, every layer."""
+    cfg, store, rotary, mcfg = runner.shadow_cfg, runner.shadow_pool, loaded.model.rotary, loaded.config
+    positions = torch.arange(span, device=DEV)
+    seg = store.alloc_segment(0, span, cfg.num_outliers(span // cfg.chunk_size))
+    for layer in range(mcfg.num_layers):
+        k_pre = synthetic_keys(span, mcfg.kv_dim, keys, gen).view(span, mcfg.num_kv_heads, mcfg.head_dim)
+        k_post = rotary.apply(k_pre, positions).to(loaded.model.lm_head.weight.dtype)
+        v = torch.randn(span, mcfg.num_kv_heads, mcfg.head_dim, device=DEV, generator=gen, dtype=k_post.dtype)
+        compress_layer(store, seg, layer, k_post, v, rotary, cfg)
+    return seg
+
+
+def shadowkv_requests(loaded, backend: str, batch: int, context: int, keys: str, gen, shared: bool = False):
+    """`batch` requests, each a compressed segment plus a dense window; shared: one segment for all."""
+    window = 256
+    runner = ModelRunner(runner_args(loaded, "shadowkv", backend, batch, batch * window + 64, shadowkv_max_requests=batch,
+                                     shadowkv_host_tokens=(1 if shared else batch) * context,
+                                     shadowkv_min_context=1024), loaded)
+    cfg = runner.shadow_cfg
+    fill_normal(runner.pool.k_buffers + runner.pool.v_buffers, gen)
+    span = cfg.compressed_len(context, runner.pool.page_size)
+    seg = compressed_segment(runner, loaded, span, keys, gen) if shared else None
+    items = []
+    for _ in range(batch):
+        own = seg or compressed_segment(runner, loaded, span, keys, gen)
+        row = runner.req_to_token.alloc()
+        give_pages(runner, row, span, context - span)
+        state = ShadowReqState(runner.decoder.alloc_row(), layout=segment_layout(own, cfg.chunk_size))
+        items.append(StepItem(row, [0], context - 1, state))
+    runner.shadow_pool.wait_host_writes()
+    sync()
+    return runner, items
+
+
+# ---- measurement ---------------------------------------------------------------------------------------
+def decode_rate(runner: ModelRunner, items: list[StepItem], steps: int, graph: bool, warmup: int = 2) -> dict:
+    """Tokens/s of `steps` greedy decode steps at the requests' positions (after `warmup` steps)."""
+    ids = torch.randint(0, runner.config.vocab_size, (len(items),), device=DEV)
+
+    def eager(tokens):
+        return runner.forward([dataclasses.replace(it, token_ids=[t]) for it, t in zip(items, tokens.tolist())])
+
+    step, out = eager, {}
+    if graph:  # the eager reference first: an eager step re-plans the backend, which a graph must not see
+        want = eager(ids).clone()
+        step = DecodeGraph(runner, items).replay  # raises on a CPU
+        got = step(ids)
+        out["graph_vs_eager_rel_err"] = float((got - want).norm() / want.norm())
+    for _ in range(warmup):
+        ids = step(ids).argmax(-1)
+    if runner.decoder is not None:
+        runner.decoder.hits.zero_()
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        ids = step(ids).argmax(-1)
+    sync()
+    seconds = (time.perf_counter() - t) / steps
+    out.update(step_ms=seconds * 1e3, tok_per_s=len(items) / seconds)
+    if runner.decoder is not None:
+        hits, lookups = runner.decoder.hits.sum(0).tolist()
+        out["chunk_cache_hit_rate"] = hits / max(1, lookups)
+        out["chunk_fetches"] = lookups - hits  # (request, KV head, chunk) rebuilds and gathers, all layers
+    return out
+
+
+def best_rate(runner, items, steps) -> dict:
+    eager = decode_rate(runner, items, steps, graph=False)
+    row = {"eager": eager}
+    try:
+        row["graph"] = decode_rate(runner, items, steps, graph=True)
+    except Exception as exc:  # noqa: BLE001 - report why the graph path is unavailable and go on
+        row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    best = max((row[k] for k in ("eager", "graph") if k in row), key=lambda r: r["tok_per_s"])
+    row.update(tok_per_s=best["tok_per_s"], mode="graph" if best is row.get("graph") else "eager")
+    return row
+
+
+CATEGORIES = [  # (category, kernel-name pattern), first match wins
+    ("scores", r"landmark"), ("fetch (value gather)", r"gather_values"), ("rebuild", r"rebuild_keys"),
+    ("attention", r"sparse_decode|ragged_attention|BatchDecode|flashinfer|decode_kernel|SingleDecode"),
+    ("top-k", r"topk|TopK|radix|softmax|Softmax|bitonic"), ("chunk cache", r"searchsorted|sort|scan|cumsum|scatter"),
+    ("GEMM (QKV, O, FFN, lm_head)", r"gemm|Gemm|cutlass|nvjet|sm90|xmma|cublas|gemv"),
+]
+
+
+def breakdown(runner: ModelRunner, items: list[StepItem], steps: int = 3) -> dict:
+    """Per-layer GPU kernel time by category over eager decode steps (ms per layer per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decode_rate(runner, items, 1, graph=False)
+    with profile(activities=[ProfilerActivity.CUDA if CUDA else ProfilerActivity.CPU]) as prof:
+        rate = decode_rate(runner, items, steps, graph=False, warmup=0)
+    totals: dict[str, float] = {}
+    gather_us = 0.0
+    for ev in prof.key_averages():
+        us = (getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
+              if CUDA else ev.self_cpu_time_total)
+        if us <= 0:
+            continue
+        cat = next((c for c, pat in CATEGORIES if re.search(pat, ev.key)), "other (norms, RoPE, elementwise)")
+        totals[cat] = totals.get(cat, 0.0) + us
+        if cat.startswith("fetch"):
+            gather_us += us
+    layers = runner.config.num_layers * steps
+    out = {"batch": len(items), "ms_per_layer": {k: v / 1e3 / layers for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}}
+    if "chunk_fetches" in rate:
+        cfg = runner.config
+        gathered = rate["chunk_fetches"] * runner.shadow_cfg.chunk_size * cfg.head_dim * 2  # bf16 values
+        out.update(chunk_cache_hit_rate=rate["chunk_cache_hit_rate"], gathered_bytes=gathered,
+                   gather_GBps=gathered / gather_us / 1e3 if gather_us else None)  # no kernel on a CPU
+    return out
+
+
+def free_memory() -> None:
+    """Return freed GPU and pinned host memory (the caching allocators keep both otherwise)."""
+    gc.collect()
+    if not CUDA:
+        return
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()
+
+
+def shared_document(loaded, args, full_backend: str, skv_backend: str, gen, result: dict) -> None:
+    """B requests over one document (the radix cache's case): full attention shares the dense pages,
+    ShadowKV the compressed segment; both read per request what their attention needs."""
+    context, rows = args.shared_context, []
+    for batch in args.shared_batches:
+        row = {"context": context, "batch": batch}
+        for method in ("full", "shadowkv"):
+            free_memory()
+            if method == "full":
+                runner, items = full_requests(loaded, full_backend, batch, context, gen, shared=True)
+            else:
+                runner, items = shadowkv_requests(loaded, skv_backend, batch, context, "random", gen, shared=True)
+            row[method] = best_rate(runner, items, args.steps)
+            del runner, items
+        row["gain"] = row["shadowkv"]["tok_per_s"] / row["full"]["tok_per_s"]
+        rows.append(row)
+        print(f"shared {context} b{batch}: full {row['full']['tok_per_s']:.1f}, shadowkv "
+              f"{row['shadowkv']['tok_per_s']:.1f} tok/s ({row['gain']:.2f}x)", flush=True)
+    result["shared_document"] = rows
+    free_memory()
+
+
+def equivalent_bandwidth(context, chunk, selected, outliers, hit_rate, b_gpu, b_pcie) -> float:
+    """DESIGN.md §6: B~ = 2 S B_gpu / (S/C + 2(K+O)C + (1-a) K C B_gpu/B_pcie)."""
+    return 2 * context * b_gpu / (context / chunk + 2 * (selected + outliers) * chunk
+                                  + (1 - hit_rate) * selected * chunk * b_gpu / b_pcie)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="random:llama-3.1-8b", help="a random:* preset (random weights)")
+    ap.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: the embedded model's)")
+    ap.add_argument("--contexts", nargs="*", type=int, default=[32768, 65536, 124928])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 12, 16, 24, 32, 48])
+    # 64 GiB = 2 GiB per layer: the caching host allocator rounds each pinned block up to a power of two
+    ap.add_argument("--host-gib", type=float, default=64.0, help="pinned host memory for ShadowKV values")
+    ap.add_argument("--steps", type=int, default=8, help="timed decode steps per measurement")
+    ap.add_argument("--full-backend", default=None, help="flashinfer (default if importable) or triton")
+    ap.add_argument("--shared-context", type=int, default=None,
+                    help="also: batches of requests over ONE document of this length (radix-cache sharing)")
+    ap.add_argument("--shared-batches", nargs="+", type=int, default=[4, 16, 32, 48])
+    ap.add_argument("--lowrank-contexts", nargs="*", type=int, default=None,
+                    help="contexts also run with low-rank synthetic keys (default: the largest)")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "bench_throughput.json"))
+    args = ap.parse_args()
+    try:
+        import flashinfer  # noqa: F401
+        full_backend = args.full_backend or "flashinfer"
+    except ImportError:
+        full_backend = args.full_backend or ("triton" if CUDA else "torch")
+    skv_backend = "triton" if CUDA else "torch"
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    loaded = load_model(args.model_path, torch.bfloat16 if CUDA else torch.float32, DEV, max(args.contexts + [args.shared_context or 0]) + 512,
+                        args.tokenizer_path)
+    cfg = loaded.config
+    result = {"device": torch.cuda.get_device_name() if CUDA else "cpu", "model": args.model_path, "model_shape": {
+        "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "vocab": cfg.vocab_size}, "full_backend": full_backend,
+        "shadowkv_backend": skv_backend, "bandwidth": bandwidths(), "gain": {}, "rows": [], "breakdown": {}}
+    elem = 2 if CUDA else 4
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.kv_dim * elem
+    host_bytes_per_token = cfg.num_layers * cfg.kv_dim * elem
+
+    def save():
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    for context in args.contexts:
+        free_memory()
+        free = torch.cuda.mem_get_info()[0] - ACTIVATION_RESERVE if CUDA else 2 * GiB
+        print(f"context {context}: {free / GiB:.1f} GiB free for KV", flush=True)
+        full_batch = int(free // (context * kv_bytes_per_token))
+        best_full = 0.0
+        for batch in sorted({1, full_batch}) if full_batch >= 1 else []:
+            runner, items = full_requests(loaded, full_backend, batch, context, gen)
+            rate = best_rate(runner, items, args.steps)
+            result["rows"].append({"method": "full", "context": context, "batch": batch, "largest_batch": full_batch,
+                                   "gpu_bytes_per_seq": context * kv_bytes_per_token, **rate})
+            if batch == full_batch:
+                result["breakdown"][f"full/{context}/b{batch}"] = breakdown(runner, items)
+            best_full = max(best_full, rate["tok_per_s"])
+            del runner, items
+            free_memory()
+            print(f"full {context} b{batch}: {rate['tok_per_s']:.1f} tok/s ({rate['mode']})", flush=True)
+        host_batch = int(args.host_gib * GiB // (context * host_bytes_per_token))
+        lowrank = [max(args.contexts)] if args.lowrank_contexts is None else args.lowrank_contexts
+        for keys in ("random", "lowrank") if context in lowrank else ("random",):
+            largest = min(host_batch, max(args.batches))
+            runner = None
+            while runner is None and largest >= 1:
+                before = torch.cuda.memory_allocated() if CUDA else 0
+                try:
+                    runner, items = shadowkv_requests(loaded, skv_backend, largest, context, keys, gen)
+                except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # pinned or GPU memory ran out
+                    print(f"shadowkv {context} b{largest}: {type(exc).__name__}, trying half", flush=True)
+                    free_memory()
+                    largest //= 2
+            if runner is None:
+                continue
+            per_seq = ((torch.cuda.memory_allocated() if CUDA else 0) - before) / largest
+            batches = sorted({b for b in args.batches if b <= largest} | {largest}) if keys == "random" else [largest]
+            best = 0.0
+            for batch in batches:
+                rate = best_rate(runner, items[:batch], args.steps)
+                result["rows"].append({"method": "shadowkv", "keys": keys, "context": context, "batch": batch,
+                                       "largest_batch": largest, "host_limited_batch": host_batch,
+                                       "gpu_bytes_per_seq": per_seq, **rate})
+                best = max(best, rate["tok_per_s"])
+                print(f"shadowkv[{keys}] {context} b{batch}: {rate['tok_per_s']:.1f} tok/s ({rate['mode']}), "
+                      f"hit {rate['eager']['chunk_cache_hit_rate']:.2f}", flush=True)
+            bd = breakdown(runner, items)
+            scfg, bw = runner.shadow_cfg, result["bandwidth"]
+            selected = scfg.budget_chunks(context // scfg.chunk_size - scfg.outliers)
+            bd["gather_vs_pcie"] = bd["gather_GBps"] and bd["gather_GBps"] / bw["pcie_pinned_h2d_GBps"]
+            bd["equivalent_bandwidth_TBps"] = equivalent_bandwidth(
+                context, scfg.chunk_size, selected, scfg.outliers, bd["chunk_cache_hit_rate"],
+                bw["hbm_copy_GBps"], bw["pcie_pinned_h2d_GBps"]) / 1e3
+            result["breakdown"][f"shadowkv-{keys}/{context}/b{largest}"] = bd
+            if keys == "random":
+                result["gain"][str(context)] = best / best_full if best_full else None
+            del runner, items
+            free_memory()
+            save()
+        save()
+
+    if args.shared_context:
+        shared_document(loaded, args, full_backend, skv_backend, gen, result)
+        save()
+
+    print(f"\n{result['device']}: {args.model_path}, full attention via {full_backend}, ShadowKV via {skv_backend}; "
+          f"HBM {result['bandwidth']['hbm_copy_GBps']:.0f} GB/s, PCIe {result['bandwidth']['pcie_pinned_h2d_GBps']:.1f} GB/s")
+    print(f"{'method':>16} {'context':>7} {'batch':>5} {'eager tok/s':>11} {'graph tok/s':>11} {'hit':>5} {'GPU GB/seq':>10}")
+    for r in result["rows"]:
+        if "error" in r:
+            print(f"{r['method']:>16} {r['context']:7d} {r['batch']:5d} error: {r['error'][:60]}")
+            continue
+        name = r["method"] + (f"[{r['keys']}]" if "keys" in r else "")
+        graph = r.get("graph", {}).get("tok_per_s")
+        print(f"{name:>16} {r['context']:7d} {r['batch']:5d} {r['eager']['tok_per_s']:11.1f} "
+              f"{graph if graph is None else round(graph, 1)!s:>11} {r['eager'].get('chunk_cache_hit_rate', float('nan')):5.2f} "
+              f"{r['gpu_bytes_per_seq'] / 1e9:10.2f}")
+    for key, bd in result["breakdown"].items():
+        print(f"{key}: " + ", ".join(f"{k} {v:.3f}" for k, v in bd["ms_per_layer"].items()) + " ms/layer"
+              + (f"; gather {bd['gather_GBps']:.1f} GB/s = {bd['gather_vs_pcie']:.0%} of PCIe" if bd.get("gather_GBps") else "")
+              + (f"; equivalent bandwidth {bd['equivalent_bandwidth_TBps']:.2f} TB/s" if "equivalent_bandwidth_TBps" in bd else ""))
+    for r in result.get("shared_document", []):
+        print(f"one shared {r['context']}-token document, batch {r['batch']}: full {r['full']['tok_per_s']:.1f} tok/s, "
+              f"ShadowKV {r['shadowkv']['tok_per_s']:.1f} tok/s ({r['gain']:.2f}x)")
+    print("gain (best ShadowKV tok/s / best full tok/s): " + ", ".join(
+        f"{k}: {v:.2f}x" if v else f"{k}: n/a" for k, v in result["gain"].items()))
+
+
+if __name__ == "__main__":
+    main()

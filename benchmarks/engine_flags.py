@@ -1,0 +1,30 @@
+"""Command-line flags shared by the accuracy benchmarks: the model, and every ShadowKV and
+eviction-baseline setting of ServerArgs as an optional --flag (unset: the engine's default)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from sglang_shadowkv.server_args import ServerArgs
+
+TUNABLE_PREFIXES = ("shadowkv_", "eviction_", "streamingllm_", "snapkv_")
+NOT_TUNABLE = ("shadowkv_host_tokens", "shadowkv_max_requests")
+
+
+def add_engine_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model-path", default=None, help="HF folder or .gguf (default: embedded SmolLM2)")
+    ap.add_argument("--tokenizer-path", default=None)
+    ap.add_argument("--attention-backend", default=None, help="torch | triton | flashinfer (default: best)")
+    for field in dataclasses.fields(ServerArgs):
+        if field.name.startswith(TUNABLE_PREFIXES) and field.name not in NOT_TUNABLE:
+            kind = str if "str" in field.type else float if "float" in field.type else int
+            ap.add_argument("--" + field.name.replace("_", "-"), type=kind, default=None)
+
+
+def engine_overrides(args: argparse.Namespace) -> dict:
+    """The tunables the user set, as Engine keyword arguments."""
+    return {k: v for k, v in vars(args).items() if k.startswith(TUNABLE_PREFIXES) and v is not None}
+
+
+__all__ = ["add_engine_flags", "engine_overrides"]
