@@ -2,12 +2,14 @@
 values, a chat-formatted question and the start of the answer.
 
 Two needle forms. `kv` (RULER's): "The special magic number for <word> is: <7 digits>." asked by
-its word. `passkey`: "The secret pass key is <5 digits>." Both were chosen by probing the embedded
-SmolLM2-135M-Instruct with full attention over 1K..6K haystacks at several depths (2026-11-22):
-`kv` was retrieved at 14 of 15 (length, depth) cells and this passkey phrasing at 5 of 6, while
-the classic "The pass key is <v>. Remember it. <v> is the pass key." was retrieved at 8 of 15 and
-0 of 6 with a longer question (the model paraphrases "a unique identifier..."). The answer is primed
-with the needle's own opening words, so retrieval is a copy rather than a rewording.
+its word. `passkey`: "The secret pass key is <5 digits>." Chosen by probing the embedded
+SmolLM2-135M-Instruct with full attention over 1K..6K haystacks (2026-11-22): `kv` was retrieved
+at 14 of 15 (length, depth) cells, this passkey phrasing at 5 of 6, the classic "The pass key is
+<v>. Remember it. <v> is the pass key." at 8 of 15 and with a longer question at 0 of 6 (the model
+paraphrases: "a unique identifier ..."). On the full NIAH grid (benchmarks/results/niah.json) full
+attention retrieves `kv` at 0.96 and `passkey` at 0.44: the passkey form shows where this small
+model itself fails, `kv` is the one it solves. The answer is primed with the needle's own opening
+words, so retrieval is a copy rather than a rewording.
 """
 
 from __future__ import annotations
