@@ -69,10 +69,10 @@ class ServerArgs:
                 raise ValueError(f"attention={self.attention!r} runs on the torch backend (per-head "
                                  f"masks), got attention_backend={self.attention_backend!r}")
             _positive(self, "eviction_budget", "streamingllm_sinks", "snapkv_window")
-            kept = self.streamingllm_sinks if self.attention == "streamingllm" else self.snapkv_window
-            if self.eviction_budget <= kept:
-                raise ValueError(f"eviction_budget ({self.eviction_budget}) must exceed "
-                                 f"{'streamingllm_sinks' if self.attention == 'streamingllm' else 'snapkv_window'} ({kept})")
+            kept = "streamingllm_sinks" if self.attention == "streamingllm" else "snapkv_window"
+            if self.eviction_budget <= getattr(self, kept):
+                raise ValueError(f"eviction_budget ({self.eviction_budget}) must exceed {kept} "
+                                 f"({getattr(self, kept)})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _positive(self, "page_size", "max_running_requests", "chunked_prefill_size")

@@ -37,22 +37,32 @@ ops = st.lists(st.tuples(st.sampled_from(["start", "finish", "evict"]), seqs, st
 
 
 @settings(max_examples=150, deadline=None)
+def admit(pool, tree, tokens):
+    """Admit a request as the scheduler does: match and lock its prefix, evict for and allocate the
+    pages of the rest. (match, own pages), or None (nothing held) when the pool cannot hold it."""
+    m = tree.match_prefix(tokens)
+    tree.lock(m.node)
+    need = -(-len(tokens) // PAGE) - m.num_pages
+    if pool.num_free < need:
+        tree.evict(need - pool.num_free)
+    own = pool.alloc(need)
+    if own is None:
+        tree.unlock(m.node)
+        return None
+    return m, own
+
+
 @given(ops)
 def test_pages_are_always_in_tree_running_or_free(operations):
     pool, tree = make()
     running = []
     for op, tokens, n in operations:
         if op == "start":
-            m = tree.match_prefix(tokens)
-            assert m.num_pages * PAGE <= len(tokens)
-            tree.lock(m.node)
-            need = -(-len(tokens) // PAGE) - m.num_pages
-            if pool.num_free < need:
-                tree.evict(need - pool.num_free)
-            own = pool.alloc(need)
-            if own is None:
-                tree.unlock(m.node)
+            admitted = admit(pool, tree, tokens)
+            if admitted is None:
                 continue
+            m, own = admitted
+            assert m.num_pages * PAGE <= len(tokens)
             running.append({"tokens": tokens, "matched": list(m.pages), "own": own, "node": m.node})
         elif op == "finish" and running:
             r = running.pop(n % len(running))
@@ -144,15 +154,10 @@ def test_every_page_and_chunk_is_owned_once(operations, compress_choices):
     running = []
     for step, (op, tokens, n) in enumerate(operations):
         if op == "start":
-            m = tree.match_prefix(tokens)
-            tree.lock(m.node)
-            need = -(-len(tokens) // PAGE) - m.num_pages
-            if pool.num_free < need:
-                tree.evict(need - pool.num_free)
-            own = pool.alloc(need)
-            if own is None:
-                tree.unlock(m.node)
+            admitted = admit(pool, tree, tokens)
+            if admitted is None:
                 continue
+            m, own = admitted
             entries = list(m.pages) + own
             borrowed = m.num_pages
             whole = len(tokens) // PAGE

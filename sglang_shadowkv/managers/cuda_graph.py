@@ -5,10 +5,10 @@ cache, key rebuild, value gather and sparse attention to every layer), so at sma
 CPU, not the GPU, sets the pace. The graph holds the whole step: embedding, every layer
 (projections, RoPE, KV write, the attention backend including ShadowKV's two-stream fetch), the
 final norm and lm_head. Fixed at capture: the requests, their positions, pool slots and the
-backend's step plan; a replay feeds new tokens at the same positions. The graph reads the plan
-made at capture, so no other step may run on the runner between replays (an eager step re-plans). That is what a throughput
+backend's step plan; a replay feeds new tokens at the same positions. That is what a throughput
 measurement needs (benchmarks/bench_throughput.py); the scheduler, whose batches change every
-step, still runs eagerly.
+step, still runs eagerly. The graph reads the plan made at capture, so no other step may run on
+the runner between replays (an eager step re-plans).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ class DecodeGraph:
             raise RuntimeError("CUDA graphs need a CUDA device")
         if any(len(it.token_ids) != 1 for it in items):
             raise ValueError("a decode graph takes one new token per request")
-        self.runner = runner
         self.batch = runner.build_batch(items)
         runner.backend.begin_step(self.batch)
         side = torch.cuda.Stream(runner.device)

@@ -84,13 +84,12 @@ class ModelRunner:
         self.pool = PagedKVPool(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads,
                                 cfg.head_dim, self.dtype, self.device)
         self.req_to_token = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
-        # the eviction baselines hide keys per KV head: only the torch reference path takes masks
-        self.backend_name = ("torch" if args.attention in EVICTION_POLICIES
-                             else args.attention_backend or default_backend(self.device))
-        if args.attention in EVICTION_POLICIES:
+        if args.attention in EVICTION_POLICIES:  # per-head masks: only the torch reference path takes them
+            self.backend_name = "torch"
             self.backend = EvictionAttentionBackend(self.pool, cfg.num_heads, cfg.head_dim,
                                                     make_eviction_policy(args))
         else:
+            self.backend_name = args.attention_backend or default_backend(self.device)
             self.backend = create_attention_backend(self.backend_name, self.pool, cfg.num_heads, cfg.head_dim)
         if self.shadow_cfg is not None:
             self.backend = ShadowKVAttentionBackend(self.backend, self.shadow_pool, self.shadow_cfg,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.ragged_paged_attention import causal_attention
+from kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 from .base import AttentionBackend, ForwardBatch
 
@@ -31,7 +31,7 @@ class StreamingLLMPolicy:
     def __init__(self, budget: int, sinks: int):
         self.budget, self.sinks = budget, sinks
 
-    def after_attention(self, hidden, q, k, slots, seq_len, prompt_len, cached_len, sm_scale):
+    def after_attention(self, hidden, q, k_pool, slots, seq_len, prompt_len, cached_len, sm_scale):
         if seq_len >= prompt_len:  # the prompt is complete: from now on the cache rolls
             hidden[slots[self.sinks:max(self.sinks, seq_len - (self.budget - self.sinks))]] = True
 
@@ -40,25 +40,25 @@ class SnapKVPolicy:
     def __init__(self, budget: int, window: int):
         self.budget, self.window = budget, window
 
-    def after_attention(self, hidden, q, k, slots, seq_len, prompt_len, cached_len, sm_scale):
+    def after_attention(self, hidden, q, k_pool, slots, seq_len, prompt_len, cached_len, sm_scale):
         if seq_len != prompt_len or prompt_len - cached_len <= self.budget:
             return  # not the step that completes a long prompt
+        num_kv_heads = k_pool.shape[1]
+        group = q.shape[1] // num_kv_heads
         window = min(self.window, q.shape[0])
         candidates = slice(cached_len, prompt_len - window)
         q_win = q[-window:].float().transpose(0, 1)  # [Hq, w, D]
-        keys = k[:prompt_len].float().repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(0, 1)
+        keys = k_pool[slots[:prompt_len]].float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (q_win @ keys.transpose(1, 2)) * sm_scale  # [Hq, w, L]
         q_pos = torch.arange(prompt_len - window, prompt_len, device=q.device)
         visible = torch.arange(prompt_len, device=q.device)[None, :] <= q_pos[:, None]
-        visible = visible[None] & ~hidden[slots[:prompt_len]].T.repeat_interleave(
-            q.shape[1] // k.shape[1], dim=0)[:, None, :]
+        visible = visible[None] & ~hidden[slots[:prompt_len]].T.repeat_interleave(group, dim=0)[:, None, :]
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).sum(1)  # [Hq, L]
-        votes = probs.view(k.shape[1], -1, prompt_len).sum(1)[:, candidates]  # [Hkv, candidates]
+        votes = probs.view(num_kv_heads, group, prompt_len).sum(1)[:, candidates]  # [Hkv, candidates]
         votes = F.max_pool1d(votes[None], SNAPKV_POOL_KERNEL, 1, SNAPKV_POOL_KERNEL // 2)[0]
         keep = votes.topk(self.budget - window, dim=-1).indices
         evict = torch.ones_like(votes, dtype=torch.bool).scatter_(1, keep, False)  # [Hkv, candidates]
-        part = hidden[slots[candidates]]
-        hidden[slots[candidates]] = part | evict.T
+        hidden[slots[candidates]] |= evict.T
 
 
 def make_eviction_policy(args):
@@ -80,15 +80,15 @@ class EvictionAttentionBackend(AttentionBackend):
         return super().forward(q, k, v, layer, batch)
 
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        out = torch.empty_like(q)
-        hidden, k_pool, v_pool = self.hidden[layer], self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+        hidden, k_pool = self.hidden[layer], self.pool.k_buffers[layer]
+        out = ragged_paged_attention_reference(q, k_pool, self.pool.v_buffers[layer], batch.q_indptr,
+                                               batch.kv_indptr, batch.kv_indices, self.sm_scale, hidden)
+        if batch.prompt_lens is None:
+            return out
         q_ptr, kv_ptr = batch.q_indptr.tolist(), batch.kv_indptr.tolist()
-        for i in range(batch.batch_size):
-            slots = batch.kv_indices[kv_ptr[i]:kv_ptr[i + 1]].long()
-            q_req, k_req = q[q_ptr[i]:q_ptr[i + 1]], k_pool[slots]
-            out[q_ptr[i]:q_ptr[i + 1]] = causal_attention(q_req, k_req, v_pool[slots], self.sm_scale,
-                                                          hidden[slots])
-            if batch.prompt_lens is not None and batch.prompt_lens[i] is not None:
-                self.policy.after_attention(hidden, q_req, k_req, slots, batch.seq_lens[i],
-                                            batch.prompt_lens[i], batch.cached_lens[i], self.sm_scale)
+        for i, prompt_len in enumerate(batch.prompt_lens):
+            if prompt_len is not None:
+                slots = batch.kv_indices[kv_ptr[i]:kv_ptr[i + 1]].long()
+                self.policy.after_attention(hidden, q[q_ptr[i]:q_ptr[i + 1]], k_pool, slots, batch.seq_lens[i],
+                                            prompt_len, batch.cached_lens[i], self.sm_scale)
         return out
