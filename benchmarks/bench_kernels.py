@@ -43,6 +43,9 @@ DEV = torch.device("cuda" if CUDA else "cpu")
 DT = torch.bfloat16 if CUDA else torch.float32
 
 
+PARTS = ("bandwidth", "compression", "decode_layer")
+
+
 def timeit(fn, reps: int = 20, warmup: int = 3) -> float:
     """Median seconds of fn() (CUDA events on the GPU)."""
     for _ in range(warmup):
@@ -230,29 +233,62 @@ def dense_layer_seconds(context: int) -> float:
         return timeit(lambda: layer(x, pos, rotary, _CausalSdpa(), None), reps=5, warmup=1)
 
 
+COMPRESSION_METHODS = {"eigh": {}, "subspace": {}, "subspace_energy": {"lowrank_method": "subspace",
+                                                                      "rank_energy": 0.99}, "svd": {}}
+
+
+def compression_parts(k: torch.Tensor, rotary: RotaryEmbedding) -> dict:
+    """Milliseconds of the pieces of one layer's compression, Triton kernels beside their references."""
+    from kernels.chunk_stats import chunk_stats, chunk_stats_reference
+    from kernels.rotary import rotate, rotate_reference
+    from sglang_shadowkv.shadowkv.compress import tf32_matmuls, top_subspace
+
+    pos = torch.arange(k.shape[0], device=DEV)
+    rot_args = (k, rotary.cos_cache, rotary.sin_cache, pos, True, torch.float32)
+    x = rotate(*rot_args).reshape(k.shape[0], -1)
+    gram = x.T @ x
+    small = torch.randn(RANK + 32, RANK + 32, device=DEV)
+    small = small @ small.T
+    ms = lambda fn: timeit(fn, reps=5, warmup=1) * 1e3  # noqa: E731
+
+    def gram_tf32():
+        with tf32_matmuls():
+            return x.T @ x
+
+    return {"inverse_rope_triton_ms": ms(lambda: rotate(*rot_args)),
+            "inverse_rope_reference_ms": ms(lambda: rotate_reference(*rot_args)),
+            "gram_tf32_ms": ms(gram_tf32),
+            "subspace_fixed_rank_ms": ms(lambda: top_subspace(gram, RANK, with_values=False)),
+            "subspace_rayleigh_ritz_ms": ms(lambda: top_subspace(gram, RANK, with_values=True)),
+            "eigh_192_fp32_ms": ms(lambda: torch.linalg.eigh(small)),
+            "eigh_192_fp64_ms": ms(lambda: torch.linalg.eigh(small.double())),
+            "chunk_stats_triton_ms": ms(lambda: chunk_stats(k, CHUNK)),
+            "chunk_stats_reference_ms": ms(lambda: chunk_stats_reference(k, CHUNK))}
+
+
 def compression_cost(context: int) -> dict:
     """One layer's compression per low-rank method: time on the compute stream (the host value copy
-    runs on a side stream, overlapping the next layer) and time until that copy is done too, with
-    the eigensolver alone and the reconstruction agreement of each method with the SVD."""
+    runs on a side stream, overlapping the next layer) and time until that copy is done too, the
+    pieces' times, and each method's key reconstruction error against the SVD's (the optimum)."""
     cfg = ShadowKVConfig(rank=RANK, outliers=48)
     n = context // CHUNK
     store = ShadowKVPool(n, 1, cfg.outliers, CHUNK, 1, HKV, D, RANK, DT, DEV)
     seg = store.alloc_segment(0, context, cfg.num_outliers(n))
     rotary = RotaryEmbedding(D, 500000.0, context).to(DEV)
     gen = torch.Generator(device=DEV).manual_seed(1)
-    low = torch.randn(context, 96, device=DEV, generator=gen) @ torch.randn(96, HKV * D, device=DEV, generator=gen)
-    k_pre = (low + 0.1 * torch.randn(context, HKV * D, device=DEV, generator=gen)).view(context, HKV, D)
+    spectrum = torch.arange(1, HKV * D + 1, device=DEV) ** -0.75  # keys' singular values decay slowly
+    k_pre = (torch.randn(context, HKV * D, device=DEV, generator=gen) * spectrum
+             @ torch.linalg.qr(torch.randn(HKV * D, HKV * D, device=DEV, generator=gen)).Q).view(context, HKV, D)
     k = rotary.apply(k_pre, torch.arange(context, device=DEV)).to(DT)
     v = torch.randn(context, HKV, D, dtype=DT, device=DEV, generator=gen)
     t_dense = dense_layer_seconds(context)
     x = k_pre.reshape(context, -1)
-    rec_svd = x @ low_rank_basis(x, RANK, method="svd").T @ low_rank_basis(x, RANK, method="svd")
-    gram = x.T @ x
-    row = {"context": context, "dense_layer_ms": t_dense * 1e3,
-           "eigh_1024_ms": timeit(lambda: torch.linalg.eigh(gram), reps=5, warmup=1) * 1e3,
-           "svd_rel_error": ((x - rec_svd).norm() / x.norm()).item()}
-    for method in ("eigh", "subspace", "svd"):
-        mcfg = ShadowKVConfig(rank=RANK, lowrank_method=method)
+    rel_error = lambda b: ((x - x @ b.T @ b).norm() / x.norm()).item()  # noqa: E731
+    svd_rows = low_rank_basis(x, RANK, method="svd")
+    row = {"context": context, "dense_layer_ms": t_dense * 1e3, "svd_rel_error": rel_error(svd_rows),
+           **compression_parts(k, rotary)}
+    for name, overrides in COMPRESSION_METHODS.items():
+        mcfg = ShadowKVConfig(**{"rank": RANK, "lowrank_method": name, **overrides})
 
         def compress(wait: bool, mcfg=mcfg):
             compress_layer(store, seg, 0, k, v, rotary, mcfg)
@@ -260,11 +296,12 @@ def compression_cost(context: int) -> dict:
                 store.wait_host_writes()
 
         with torch.inference_mode():
-            row[f"compress_{method}_ms"] = timeit(lambda: compress(False), reps=5, warmup=1) * 1e3
-            row[f"compress_{method}_with_host_copy_ms"] = timeit(lambda: compress(True), reps=5, warmup=1) * 1e3
-        row[f"{method}_share_of_dense"] = row[f"compress_{method}_ms"] / row["dense_layer_ms"]
-        b = low_rank_basis(x, RANK, method=method)
-        row[f"{method}_vs_svd_rel_diff"] = ((x @ b.T @ b - rec_svd).norm() / rec_svd.norm()).item()
+            row[f"compress_{name}_ms"] = timeit(lambda: compress(False), reps=5, warmup=1) * 1e3
+            row[f"compress_{name}_with_host_copy_ms"] = timeit(lambda: compress(True), reps=5, warmup=1) * 1e3
+        row[f"{name}_share_of_dense"] = row[f"compress_{name}_ms"] / row["dense_layer_ms"]
+        b = low_rank_basis(x, RANK, mcfg.rank_energy, mcfg.lowrank_method)
+        row[f"{name}_rank"] = b.shape[0]
+        row[f"{name}_error_vs_svd"] = rel_error(b) / rel_error(svd_rows[:b.shape[0]])
     return row
 
 
@@ -272,6 +309,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: check the script on any device")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "bench_kernels.json"))
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="which tables to run")
     args = ap.parse_args()
     if args.smoke:
         contexts, batches, slots, entries = [512], [1, 2], 256, 16
@@ -279,31 +317,46 @@ def main() -> None:
         contexts, batches, slots, entries = [32768, 131072], [1, 4, 8, 16, 24, 32, 48], 1 << 17, 256
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     result = {"device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__}
-    result["bandwidth"] = bandwidth_and_overlap(slots, 48 if not args.smoke else 2, entries)
-    print(json.dumps(result["bandwidth"], indent=1), flush=True)
-    with open(args.out, "w") as f:  # partial results survive a later failure
-        json.dump(result, f, indent=1)
-    result["compression"] = [compression_cost(c) for c in contexts]
-    result["decode_layer"] = [r for c in contexts for r in decode_layer(c, batches, 8, 72)]
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    bw = result["bandwidth"]
+    runs = {"bandwidth": lambda: bandwidth_and_overlap(slots, 48 if not args.smoke else 2, entries),
+            "compression": lambda: [compression_cost(c) for c in contexts],
+            "decode_layer": lambda: [r for c in contexts for r in decode_layer(c, batches, 8, 72)]}
+    for part in args.parts:
+        result[part] = runs[part]()
+        with open(args.out, "w") as f:  # partial results survive a later failure
+            json.dump(result, f, indent=1)
     print(f"\ndevice: {result['device']}")
+    if "bandwidth" in result:
+        print_bandwidth(result["bandwidth"])
+    if "compression" in result:
+        print_compression(result["compression"])
+    if "decode_layer" in result:
+        print_decode_layer(result["decode_layer"])
+
+
+def print_bandwidth(bw: dict) -> None:
     for g in bw["by_grid"]:
         print(f"gather grid {g['programs']:5d}: {g['gather_GBps']:5.1f} GB/s ({g['gather_vs_copy']:.0%} of copy), "
               f"with rebuild {g['both_two_streams_ms']:.3f} ms, rebuild hidden {g['rebuild_hidden_fraction']:.0%}")
     print(f"value gather {bw['gather_GBps']:.1f} GB/s vs pinned H2D copy {bw['pinned_h2d_copy_GBps']:.1f} GB/s "
           f"({bw['gather_vs_copy']:.0%}); rebuild {bw['rebuild_ms']:.3f} ms, gather {bw['gather_ms']:.3f} ms, "
           f"both {bw['both_two_streams_ms']:.3f} ms: {bw['rebuild_hidden_fraction']:.0%} of rebuild hidden")
-    print(f"\n{'context':>8} {'method':>8} {'dense ms':>9} {'compress ms':>11} {'share':>7} "
-          f"{'+host copy ms':>13} {'~svd':>8}  (eigh of 1024x1024 alone)")
-    for r in result["compression"]:
-        for m in ("eigh", "subspace", "svd"):
-            print(f"{r['context']:8d} {m:>8} {r['dense_layer_ms']:9.2f} {r[f'compress_{m}_ms']:11.2f} "
-                  f"{r[f'{m}_share_of_dense']:7.2%} {r[f'compress_{m}_with_host_copy_ms']:13.2f} "
-                  f"{r[f'{m}_vs_svd_rel_diff']:8.1e}  ({r['eigh_1024_ms']:.2f} ms)")
+
+
+def print_compression(rows: list[dict]) -> None:
+    print(f"\n{'context':>8} {'method':>16} {'rank':>4} {'dense ms':>9} {'compress ms':>11} {'share':>7} "
+          f"{'+host copy ms':>13} {'err/svd':>7}")
+    for r in rows:
+        for m in COMPRESSION_METHODS:
+            print(f"{r['context']:8d} {m:>16} {r[f'{m}_rank']:4d} {r['dense_layer_ms']:9.2f} "
+                  f"{r[f'compress_{m}_ms']:11.2f} {r[f'{m}_share_of_dense']:7.2%} "
+                  f"{r[f'compress_{m}_with_host_copy_ms']:13.2f} {r[f'{m}_error_vs_svd']:7.3f}")
+        print("  parts (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in r.items() if k.endswith("_ms")
+                                          and not k.startswith(("compress_", "dense_"))))
+
+
+def print_decode_layer(rows: list[dict]) -> None:
     print(f"\n{'context':>8} {'batch':>5} {'shadowkv ms':>11} {'full ms':>8} {'speedup':>7} {'hit':>5}  full backend")
-    for r in result["decode_layer"]:
+    for r in rows:
         print(f"{r['context']:8d} {r['batch']:5d} {r['shadowkv_ms']:11.3f} {r['full_ms']:8.3f} "
               f"{r['speedup']:7.2f} {r['chunk_cache_hit_rate']:5.2f}  {r['full_backend']}")
 

@@ -295,8 +295,7 @@ def main() -> None:
     ap.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: the embedded model's)")
     ap.add_argument("--contexts", nargs="*", type=int, default=[32768, 65536, 124928])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 12, 16, 24, 32, 48])
-    # 64 GiB = 2 GiB per layer: the caching host allocator rounds each pinned block up to a power of two
-    ap.add_argument("--host-gib", type=float, default=64.0, help="pinned host memory for ShadowKV values")
+    ap.add_argument("--host-gib", type=float, default=64.0, help="page-locked host memory for ShadowKV values (exact size)")
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per measurement")
     ap.add_argument("--full-backend", default=None, help="flashinfer (default if importable) or triton")
     ap.add_argument("--shared-context", type=int, default=None,

@@ -128,7 +128,8 @@ class ServerArgs:
             "shadowkv_min_budget_chunks": "floor of the selection budget in chunks",
             "shadowkv_local_window": "most recent prompt tokens kept dense",
             "shadowkv_min_context": "prompts shorter than this stay dense",
-            "shadowkv_lowrank_method": "eigh or subspace (top eigenvectors of the Gram matrix) or svd",
+            "shadowkv_lowrank_method": "auto (eigh up to 256 key dims, else subspace), eigh or subspace "
+                                       "(top eigenvectors of the Gram matrix) or svd (the paper's)",
             "shadowkv_host_tokens": "capacity of the compressed pools (host values) in tokens",
             "shadowkv_max_requests": "requests decoding from compressed state at once",
         }

@@ -5,11 +5,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels.chunk_stats import chunk_stats, chunk_stats_reference
 from kernels.gather_values import gather_values, gather_values_reference
 from kernels.landmark_scores import landmark_logits, landmark_logits_reference
 from kernels.rebuild_keys import rebuild_keys, rebuild_keys_reference
+from kernels.rotary import rotate, rotate_reference
 from kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
+from sglang_shadowkv.mem_cache.host_memory import PinnedHostTensor
 from sglang_shadowkv.shadowkv.chunk_cache import plan_chunk_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,8 +86,10 @@ def test_gather_values(chunk_size, head_dim):
     gen = torch.Generator().manual_seed(chunk_size + head_dim)
     batch, hkv, entries, slots = 4, 2, 7, 50
     host = torch.randn(slots, hkv, chunk_size, head_dim, generator=gen)
-    if DEVICE == "cuda":
-        host = host.pin_memory()
+    if DEVICE == "cuda":  # the engine's host pool: an exact-size registered allocation, read via UVA
+        owner = PinnedHostTensor(tuple(host.shape), host.dtype)
+        host = owner.tensor.copy_(host)
+        assert host.is_pinned() and host.data_ptr() == owner.tensor.data_ptr()
     jobs = _jobs(gen, batch, hkv, entries, slots).to(DEVICE)
     rows = torch.tensor([1, 5, 0, 3], dtype=torch.int32, device=DEVICE)
     scratch = torch.full((6, hkv, entries, chunk_size, head_dim), float("nan"), device=DEVICE)
@@ -140,3 +145,39 @@ def test_chunk_cache_plan(data):
         assert sorted(jobs[i][jobs[i] >= 0].tolist()) == sorted(misses)  # only misses are fetched
         kept = new_held[i][jobs[i] < 0]
         assert torch.equal(kept, held[i][jobs[i] < 0])  # other entries untouched
+
+
+@pytest.mark.parametrize("chunk_size,head_dim,num_chunks", [(8, 64, 37), (4, 32, 16), (5, 48, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_stats(chunk_size, head_dim, num_chunks, dtype):
+    gen = torch.Generator().manual_seed(chunk_size * 1000 + head_dim + num_chunks)
+    k = torch.randn(num_chunks * chunk_size, 3, head_dim, generator=gen) + torch.randn(1, 3, head_dim, generator=gen)
+    k[:chunk_size, 1] = 0  # a chunk of zero keys: cosine is 0, not nan
+    k = k.to(dtype).to(DEVICE)
+    (lm, cos), (lm_ref, cos_ref) = chunk_stats(k, chunk_size), chunk_stats_reference(k, chunk_size)
+    assert lm.dtype == cos.dtype == torch.float32 and cos.shape == (num_chunks, 3)
+    torch.testing.assert_close(lm, lm_ref, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(cos, cos_ref, rtol=TOL, atol=TOL)
+    assert cos[0, 1] == 0 and (cos[:, 0] > -1).all() and (cos <= 1 + 1e-5).all()
+
+
+def test_chunk_stats_rejects_a_partial_chunk():
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_stats(torch.zeros(10, 1, 16, device=DEVICE), 8)
+
+
+@pytest.mark.parametrize("tokens,heads,head_dim", [(70, 3, 64), (5, 1, 32), (130, 2, 48)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotate(tokens, heads, head_dim, inverse):
+    gen = torch.Generator().manual_seed(tokens * 10 + head_dim + inverse)
+    rotary = RotaryEmbedding(head_dim, 10000.0, 4096)
+    x = torch.randn(tokens, heads, head_dim, generator=gen).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (tokens,), generator=gen)
+    args = [t.to(DEVICE) for t in (x, rotary.cos_cache, rotary.sin_cache, pos)]
+    got = rotate(*args, inverse=inverse, out_dtype=torch.float32)
+    want = rotate_reference(*args, inverse=inverse, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    back = rotate(got, *args[1:], inverse=not inverse)  # the inverse undoes the rotation
+    torch.testing.assert_close(back, x.float().to(DEVICE), rtol=TOL, atol=TOL)
+    assert rotate(*args).dtype == torch.bfloat16

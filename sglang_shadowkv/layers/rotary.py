@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from kernels.rotary import rotate, rotate_reference
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -39,12 +41,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_cache", freqs.cos().float(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin().float(), persistent=False)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """Rotate x [tokens, heads, head_dim] by its tokens' positions [tokens]."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        if inverse:
-            sin = -sin
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rotate x [tokens, heads, head_dim] by its tokens' positions [tokens] (in float32; the
+        result in out_dtype, default x's). One Triton pass on the GPU, the torch reference elsewhere."""
+        rotate_fn = rotate if x.is_cuda else rotate_reference
+        return rotate_fn(x, self.cos_cache, self.sin_cache, positions, inverse, out_dtype)

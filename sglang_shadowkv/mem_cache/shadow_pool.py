@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .host_memory import PinnedHostTensor
+
 
 @dataclass
 class Segment:
@@ -69,8 +71,10 @@ class ShadowKVPool:
         # position of each outlier block's first token (outliers differ per layer)
         self.outlier_pos = [torch.zeros(out_blocks, dtype=torch.int32, device=self.device)
                             for _ in range(num_layers)]
-        self.host_v = [torch.zeros(slots, num_kv_heads, chunk_size, head_dim, dtype=dtype, pin_memory=pin)
-                       for _ in range(num_layers)]
+        host_shape = (slots, num_kv_heads, chunk_size, head_dim)
+        self._host_owners = [PinnedHostTensor(host_shape, dtype) for _ in range(num_layers)] if pin else []
+        self.host_v = [owner.tensor for owner in self._host_owners] if pin else \
+            [torch.zeros(host_shape, dtype=dtype) for _ in range(num_layers)]
         self.chunk_pos = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self.chunk_basis = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self._free_slots = list(range(slots - 1, 0, -1))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 PAPER_RANK_PER_1024_KEY_DIMS = 160
 MIN_RANK = 16
-LOWRANK_METHODS = ("eigh", "subspace", "svd")
+LOWRANK_METHODS = ("auto", "eigh", "subspace", "svd")
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class ShadowKVConfig:
     min_budget_chunks: int = 32  # ... but never fewer than this many
     local_window: int = 64  # the prompt's most recent tokens stay dense (plus every generated token)
     min_context: int = 4096  # shorter prompts stay dense: compression does not pay
-    lowrank_method: str = "eigh"  # Gram matrix: full eigh or subspace iteration; or svd (the paper's)
+    lowrank_method: str = "auto"  # Gram matrix: full eigh or subspace iteration (auto: by size); or svd
     host_tokens: int | None = None  # capacity of the compressed pools in tokens; None: from the device
     max_requests: int = 16  # requests in compressed decode at once (each holds a chunk-cache scratch)
 
