@@ -33,6 +33,12 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, q_indptr, kv_indptr, kv_
     return out
 
 
+def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """[q_len, kv_len] bool: the last q_len of kv_len tokens see themselves and every earlier key."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+    return torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
+
+
 def causal_attention(q, k, v, sm_scale, hidden=None):
     """q [q_len, Hq, D] are the last q_len of the kv_len tokens of k/v [kv_len, Hkv, D]; query j
     sees keys 0 .. kv_len - q_len + j, less those `hidden` [kv_len, Hkv] hides from its KV head."""
@@ -40,12 +46,10 @@ def causal_attention(q, k, v, sm_scale, hidden=None):
     group = num_heads // k.shape[1]
     mask = None
     if hidden is not None and bool(hidden.any()):
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        causal = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        causal = causal_mask(q_len, kv_len, q.device)
         mask = (causal[None] & ~hidden.T[:, None, :]).repeat_interleave(group, dim=0)[None]
     elif q_len != kv_len:
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        mask = causal_mask(q_len, kv_len, q.device)
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
         attn_mask=mask, is_causal=mask is None and q_len > 1, scale=sm_scale, enable_gqa=group > 1)

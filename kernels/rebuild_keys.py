@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.rotary import rotate_reference
+
 
 def rebuild_keys_reference(a_rows, basis, cos, sin, chunk_pos, chunk_basis, jobs, scratch_k,
                            scratch_rows, chunk_size):
@@ -30,9 +32,7 @@ def rebuild_keys_reference(a_rows, basis, cos, sin, chunk_pos, chunk_basis, jobs
     b_head = torch.gather(bases, 2, cols[:, None, :].expand(-1, bases.shape[1], -1))  # [J, R, D]
     k = torch.bmm(a, b_head)  # [J, c, D] pre-RoPE
     pos = chunk_pos[slots].long()[:, None] + torch.arange(chunk_size, device=slots.device)
-    c_, s_ = cos[pos], sin[pos]
-    k1, k2 = k.chunk(2, dim=-1)
-    k = torch.cat((k1 * c_ - k2 * s_, k2 * c_ + k1 * s_), dim=-1)
+    k = rotate_reference(k.reshape(-1, 1, d), cos, sin, pos.flatten()).view_as(k)
     scratch_k[scratch_rows[b_idx].long(), h_idx, e_idx] = k.to(scratch_k.dtype)
     return scratch_k
 

@@ -72,9 +72,12 @@ class ShadowKVPool:
         self.outlier_pos = [torch.zeros(out_blocks, dtype=torch.int32, device=self.device)
                             for _ in range(num_layers)]
         host_shape = (slots, num_kv_heads, chunk_size, head_dim)
-        self._host_owners = [PinnedHostTensor(host_shape, dtype) for _ in range(num_layers)] if pin else []
-        self.host_v = [owner.tensor for owner in self._host_owners] if pin else \
-            [torch.zeros(host_shape, dtype=dtype) for _ in range(num_layers)]
+        if pin:  # page-locked at the exact size; unpinned when the pool (its owners) goes
+            self._host_owners = [PinnedHostTensor(host_shape, dtype) for _ in range(num_layers)]
+            self.host_v = [owner.tensor for owner in self._host_owners]
+        else:
+            self._host_owners = []
+            self.host_v = [torch.zeros(host_shape, dtype=dtype) for _ in range(num_layers)]
         self.chunk_pos = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self.chunk_basis = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self._free_slots = list(range(slots - 1, 0, -1))

@@ -17,6 +17,7 @@ from sglang_shadowkv.mem_cache.shadow_pool import Segment, ShadowKVPool
 from .config import LOWRANK_METHODS, ShadowKVConfig
 
 AUTO_EIGH_MAX_DIM = 256
+OVERSAMPLE = 32  # extra block columns when the energy rule needs sorted eigenvalues
 
 
 @contextmanager
@@ -44,7 +45,7 @@ def _orthonormal_columns(y: torch.Tensor) -> torch.Tensor:
 
 
 def top_subspace(gram: torch.Tensor, k: int, with_values: bool, iters: int = 4,
-                  oversample: int = 32) -> tuple[torch.Tensor | None, torch.Tensor]:
+                  oversample: int = OVERSAMPLE) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Rows spanning the top-k eigenspace of a symmetric PSD matrix, by block power iteration in
     float64 (GEMMs on a dim × k block instead of a dim × dim eigh).
 
@@ -90,7 +91,7 @@ def low_rank_basis(k_pre: torch.Tensor, max_rank: int, energy: float | None = No
     if method in ("eigh", "subspace"):
         with tf32_matmuls():
             gram = x.T @ x
-        if method == "eigh" or rank + 32 >= x.shape[1]:
+        if method == "eigh" or rank + OVERSAMPLE >= x.shape[1]:
             evals, evecs = torch.linalg.eigh(gram)
             sq, vecs = evals.flip(0), evecs.flip(1).T
         else:

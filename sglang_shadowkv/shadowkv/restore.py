@@ -27,7 +27,7 @@ def restore_chunks(pool: ShadowKVPool, refs: list[ChunkRef], layer: int,
         rank = seg.ranks[layer]
         k_pre = pool.a_rows[layer][rows, :rank].float() @ pool.basis[layer][seg.seg_id, :rank].float()
         positions = (seg.start + idx[:, None] * c + offsets).flatten()
-        k = rotary.apply(k_pre.view(-1, h, d), positions).to(pool.dtype)
+        k = rotary.apply(k_pre.view(-1, h, d), positions, out_dtype=pool.dtype)
         # outlier chunks of this run: their exact keys (values are exact in the host pool already)
         blocks = seg.outlier_blocks.long()  # [H, o]
         first = pool.outlier_pos[layer][blocks] - seg.start - indices[0] * c  # offset in this run

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.ragged_paged_attention import ragged_paged_attention_reference
+from kernels.ragged_paged_attention import causal_mask, ragged_paged_attention_reference
 
 from .base import AttentionBackend, ForwardBatch
 
@@ -50,9 +50,7 @@ class SnapKVPolicy:
         q_win = q[-window:].float().transpose(0, 1)  # [Hq, w, D]
         keys = k_pool[slots[:prompt_len]].float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (q_win @ keys.transpose(1, 2)) * sm_scale  # [Hq, w, L]
-        q_pos = torch.arange(prompt_len - window, prompt_len, device=q.device)
-        visible = torch.arange(prompt_len, device=q.device)[None, :] <= q_pos[:, None]
-        visible = visible[None] & ~hidden[slots[:prompt_len]].T.repeat_interleave(group, dim=0)[:, None, :]
+        visible = causal_mask(window, prompt_len, q.device)[None] & ~hidden[slots[:prompt_len]].T.repeat_interleave(group, dim=0)[:, None, :]
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).sum(1)  # [Hq, L]
         votes = probs.view(num_kv_heads, group, prompt_len).sum(1)[:, candidates]  # [Hkv, candidates]
         votes = F.max_pool1d(votes[None], SNAPKV_POOL_KERNEL, 1, SNAPKV_POOL_KERNEL // 2)[0]
