@@ -14,7 +14,9 @@ real text). Queries come from the random-weight model either way, so the measure
 lower bound of what a trained model sees.
 
 Per context: full attention at the largest batch whose KV fits on the GPU; ShadowKV at each batch
-up to its largest (GPU memory or the pinned host budget, whichever binds). Gain = best ShadowKV
+up to its largest (GPU memory or the pinned host budget, whichever binds), with bf16 host values
+and with int8 ones (shadowkv_value_dtype="int8": half the host memory per sequence and half the
+PCIe bytes per fetched chunk). Gain = best ShadowKV
 tok/s / best full tok/s. Also: GPU bytes per sequence, chunk-cache hit rate, a per-layer kernel
 time breakdown (torch.profiler over eager steps), measured HBM and PCIe bandwidth, the value-gather
 rate against the PCIe copy rate, and DESIGN.md's equivalent bandwidth from the measured terms.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import math
 import os
@@ -148,12 +151,14 @@ def compressed_segment(runner: ModelRunner, loaded, span: int, keys: str, gen):
     return seg
 
 
-def shadowkv_requests(loaded, backend: str, batch: int, context: int, keys: str, gen, shared: bool = False):
-    """`batch` requests, each a compressed segment plus a dense window; shared: one segment for all."""
+def shadowkv_requests(loaded, backend: str, batch: int, context: int, keys: str, gen, shared: bool = False,
+                      values: str = "auto"):
+    """`batch` requests, each a compressed segment plus a dense window; shared: one segment for all.
+    values: the host value dtype (shadowkv_value_dtype)."""
     window = 256
     runner = ModelRunner(runner_args(loaded, "shadowkv", backend, batch, batch * window + 64, shadowkv_max_requests=batch,
                                      shadowkv_host_tokens=(1 if shared else batch) * context,
-                                     shadowkv_min_context=1024), loaded)
+                                     shadowkv_min_context=1024, shadowkv_value_dtype=values), loaded)
     cfg = runner.shadow_cfg
     fill_normal(runner.pool.k_buffers + runner.pool.v_buffers, gen)
     span = cfg.compressed_len(context, runner.pool.page_size)
@@ -244,7 +249,7 @@ def breakdown(runner: ModelRunner, items: list[StepItem], steps: int = 3) -> dic
     out = {"batch": len(items), "ms_per_layer": {k: v / 1e3 / layers for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}}
     if "chunk_fetches" in rate:
         cfg = runner.config
-        gathered = rate["chunk_fetches"] * runner.shadow_cfg.chunk_size * cfg.head_dim * 2  # bf16 values
+        gathered = rate["chunk_fetches"] * runner.shadow_cfg.chunk_size * cfg.head_dim * runner.shadow_pool.host_elt
         out.update(chunk_cache_hit_rate=rate["chunk_cache_hit_rate"], gathered_bytes=gathered,
                    gather_GBps=gathered / gather_us / 1e3 if gather_us else None)  # no kernel on a CPU
     return out
@@ -297,6 +302,8 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 12, 16, 24, 32, 48])
     ap.add_argument("--host-gib", type=float, default=64.0, help="page-locked host memory for ShadowKV values (exact size)")
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per measurement")
+    ap.add_argument("--value-dtypes", nargs="+", default=["auto", "int8"],
+                    help="ShadowKV host value dtypes to run (auto: bf16; int8 halves host memory and PCIe bytes)")
     ap.add_argument("--full-backend", default=None, help="flashinfer (default if importable) or triton")
     ap.add_argument("--shared-context", type=int, default=None,
                     help="also: batches of requests over ONE document of this length (radix-cache sharing)")
@@ -318,10 +325,11 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if CUDA else "cpu", "model": args.model_path, "model_shape": {
         "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "vocab": cfg.vocab_size}, "full_backend": full_backend,
-        "shadowkv_backend": skv_backend, "bandwidth": bandwidths(), "gain": {}, "rows": [], "breakdown": {}}
+        "shadowkv_backend": skv_backend, "bandwidth": bandwidths(), "gain": {}, "gain_by_value_dtype": {}, "rows": [],
+        "breakdown": {}}
     elem = 2 if CUDA else 4
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.kv_dim * elem
-    host_bytes_per_token = cfg.num_layers * cfg.kv_dim * elem
+    host_bytes_per_token = {"auto": cfg.num_layers * cfg.kv_dim * elem, "int8": cfg.num_layers * cfg.kv_dim}
 
     def save():
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -345,19 +353,21 @@ def main() -> None:
             del runner, items
             free_memory()
             print(f"full {context} b{batch}: {rate['tok_per_s']:.1f} tok/s ({rate['mode']})", flush=True)
-        host_batch = int(args.host_gib * GiB // (context * host_bytes_per_token))
         lowrank = [max(args.contexts)] if args.lowrank_contexts is None else args.lowrank_contexts
-        for keys in ("random", "lowrank") if context in lowrank else ("random",):
+        for keys, values in itertools.product(("random", "lowrank") if context in lowrank else ("random",),
+                                              args.value_dtypes):
+            variant = keys + ("" if values == "auto" else f"/{values}")
+            host_batch = int(args.host_gib * GiB // (context * host_bytes_per_token[values]))
             largest = min(host_batch, max(args.batches))
             runner = None
             while runner is None and largest >= 1:
                 before = torch.cuda.memory_allocated() if CUDA else 0
                 try:
-                    runner, items = shadowkv_requests(loaded, skv_backend, largest, context, keys, gen)
+                    runner, items = shadowkv_requests(loaded, skv_backend, largest, context, keys, gen, values=values)
                 except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # pinned or GPU memory ran out
-                    print(f"shadowkv {context} b{largest}: {type(exc).__name__}, trying half", flush=True)
+                    print(f"shadowkv[{variant}] {context} b{largest}: {type(exc).__name__}, trying fewer", flush=True)
                     free_memory()
-                    largest //= 2
+                    largest -= max(1, largest // 8)
             if runner is None:
                 continue
             per_seq = ((torch.cuda.memory_allocated() if CUDA else 0) - before) / largest
@@ -365,11 +375,11 @@ def main() -> None:
             best = 0.0
             for batch in batches:
                 rate = best_rate(runner, items[:batch], args.steps)
-                result["rows"].append({"method": "shadowkv", "keys": keys, "context": context, "batch": batch,
-                                       "largest_batch": largest, "host_limited_batch": host_batch,
+                result["rows"].append({"method": "shadowkv", "keys": keys, "values": values, "context": context,
+                                       "batch": batch, "largest_batch": largest, "host_limited_batch": host_batch,
                                        "gpu_bytes_per_seq": per_seq, **rate})
                 best = max(best, rate["tok_per_s"])
-                print(f"shadowkv[{keys}] {context} b{batch}: {rate['tok_per_s']:.1f} tok/s ({rate['mode']}), "
+                print(f"shadowkv[{variant}] {context} b{batch}: {rate['tok_per_s']:.1f} tok/s ({rate['mode']}), "
                       f"hit {rate['eager']['chunk_cache_hit_rate']:.2f}", flush=True)
             bd = breakdown(runner, items)
             scfg, bw = runner.shadow_cfg, result["bandwidth"]
@@ -377,10 +387,13 @@ def main() -> None:
             bd["gather_vs_pcie"] = bd["gather_GBps"] and bd["gather_GBps"] / bw["pcie_pinned_h2d_GBps"]
             bd["equivalent_bandwidth_TBps"] = equivalent_bandwidth(
                 context, scfg.chunk_size, selected, scfg.outliers, bd["chunk_cache_hit_rate"],
-                bw["hbm_copy_GBps"], bw["pcie_pinned_h2d_GBps"]) / 1e3
-            result["breakdown"][f"shadowkv-{keys}/{context}/b{largest}"] = bd
-            if keys == "random":
-                result["gain"][str(context)] = best / best_full if best_full else None
+                # int8 values: each PCIe byte carries elem / 1 values, as if the link were that much faster
+                bw["hbm_copy_GBps"], bw["pcie_pinned_h2d_GBps"] * elem / runner.shadow_pool.host_elt) / 1e3
+            result["breakdown"][f"shadowkv-{variant}/{context}/b{largest}"] = bd
+            if keys == "random" and best_full:
+                by_values = result["gain_by_value_dtype"].setdefault(values, {})
+                by_values[str(context)] = best / best_full
+                result["gain"][str(context)] = max(result["gain"].get(str(context), 0.0), best / best_full)
             del runner, items
             free_memory()
             save()
@@ -392,14 +405,14 @@ def main() -> None:
 
     print(f"\n{result['device']}: {args.model_path}, full attention via {full_backend}, ShadowKV via {skv_backend}; "
           f"HBM {result['bandwidth']['hbm_copy_GBps']:.0f} GB/s, PCIe {result['bandwidth']['pcie_pinned_h2d_GBps']:.1f} GB/s")
-    print(f"{'method':>16} {'context':>7} {'batch':>5} {'eager tok/s':>11} {'graph tok/s':>11} {'hit':>5} {'GPU GB/seq':>10}")
+    print(f"{'method':>22} {'context':>7} {'batch':>5} {'eager tok/s':>11} {'graph tok/s':>11} {'hit':>5} {'GPU GB/seq':>10}")
     for r in result["rows"]:
         if "error" in r:
-            print(f"{r['method']:>16} {r['context']:7d} {r['batch']:5d} error: {r['error'][:60]}")
+            print(f"{r['method']:>22} {r['context']:7d} {r['batch']:5d} error: {r['error'][:60]}")
             continue
-        name = r["method"] + (f"[{r['keys']}]" if "keys" in r else "")
+        name = r["method"] + (f"[{r['keys']}{'' if r['values'] == 'auto' else '/' + r['values']}]" if "keys" in r else "")
         graph = r.get("graph", {}).get("tok_per_s")
-        print(f"{name:>16} {r['context']:7d} {r['batch']:5d} {r['eager']['tok_per_s']:11.1f} "
+        print(f"{name:>22} {r['context']:7d} {r['batch']:5d} {r['eager']['tok_per_s']:11.1f} "
               f"{graph if graph is None else round(graph, 1)!s:>11} {r['eager'].get('chunk_cache_hit_rate', float('nan')):5.2f} "
               f"{r['gpu_bytes_per_seq'] / 1e9:10.2f}")
     for key, bd in result["breakdown"].items():
@@ -410,7 +423,8 @@ def main() -> None:
         print(f"one shared {r['context']}-token document, batch {r['batch']}: full {r['full']['tok_per_s']:.1f} tok/s, "
               f"ShadowKV {r['shadowkv']['tok_per_s']:.1f} tok/s ({r['gain']:.2f}x)")
     print("gain (best ShadowKV tok/s / best full tok/s): " + ", ".join(
-        f"{k}: {v:.2f}x" if v else f"{k}: n/a" for k, v in result["gain"].items()))
+        f"{k}: {v:.2f}x" if v else f"{k}: n/a" for k, v in result["gain"].items()) + "; by host value dtype: " + ", ".join(
+        f"{dt} {k}: {v:.2f}x" for dt, gains in result["gain_by_value_dtype"].items() for k, v in gains.items()))
 
 
 if __name__ == "__main__":

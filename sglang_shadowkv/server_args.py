@@ -48,6 +48,7 @@ class ServerArgs:
     shadowkv_local_window: int = _SKV.local_window
     shadowkv_min_context: int = _SKV.min_context
     shadowkv_lowrank_method: str = _SKV.lowrank_method
+    shadowkv_value_dtype: str = _SKV.value_dtype
     shadowkv_host_tokens: int | None = _SKV.host_tokens
     shadowkv_max_requests: int = _SKV.max_requests
     # KV-eviction baselines (attention="streamingllm" or "snapkv"); see layers/attention/eviction_backend.py
@@ -130,6 +131,8 @@ class ServerArgs:
             "shadowkv_min_context": "prompts shorter than this stay dense",
             "shadowkv_lowrank_method": "auto (eigh up to 256 key dims, else subspace), eigh or subspace "
                                        "(top eigenvectors of the Gram matrix) or svd (the paper's)",
+            "shadowkv_value_dtype": "host values: auto (the model dtype) or int8 (a scale per chunk and KV "
+                                    "head: half the host memory and PCIe traffic)",
             "shadowkv_host_tokens": "capacity of the compressed pools (host values) in tokens",
             "shadowkv_max_requests": "requests decoding from compressed state at once",
         }

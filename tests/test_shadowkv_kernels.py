@@ -81,11 +81,16 @@ def test_rebuild_keys_equals_rope_of_low_rank_product():
         torch.testing.assert_close(scratch[0, h, 0], rotary.apply(pre, pos)[:, h], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("chunk_size,head_dim", [(8, 64), (8, 128), (4, 32)])
-def test_gather_values(chunk_size, head_dim):
-    gen = torch.Generator().manual_seed(chunk_size + head_dim)
+def test_gather_values(chunk_size, head_dim, int8):
+    gen = torch.Generator().manual_seed(chunk_size + head_dim + int8)
     batch, hkv, entries, slots = 4, 2, 7, 50
     host = torch.randn(slots, hkv, chunk_size, head_dim, generator=gen)
+    scale = None
+    if int8:  # the int8 host pool: one scale per chunk slot and KV head, on the GPU
+        host = torch.randint(-127, 128, host.shape, generator=gen, dtype=torch.int8)
+        scale = (torch.rand(slots, hkv, generator=gen) + 0.01).to(DEVICE)
     if DEVICE == "cuda":  # the engine's host pool: an exact-size registered allocation, read via UVA
         owner = PinnedHostTensor(tuple(host.shape), host.dtype)
         host = owner.tensor.copy_(host)
@@ -93,9 +98,10 @@ def test_gather_values(chunk_size, head_dim):
     jobs = _jobs(gen, batch, hkv, entries, slots).to(DEVICE)
     rows = torch.tensor([1, 5, 0, 3], dtype=torch.int32, device=DEVICE)
     scratch = torch.full((6, hkv, entries, chunk_size, head_dim), float("nan"), device=DEVICE)
-    got = gather_values(host, jobs, scratch.clone(), rows)
-    want = gather_values_reference(host, jobs, scratch.clone(), rows)
+    got = gather_values(host, jobs, scratch.clone(), rows, scale)
+    want = gather_values_reference(host, jobs, scratch.clone(), rows, scale)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert want.isnan().any() and not want.isnan().all()
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])

@@ -8,6 +8,10 @@ outlier chunks, which are always attended instead) (GPU), the values host_v[s] =
 of one head is one contiguous read) and the metadata chunk_pos[s] (position of its first token)
 and chunk_basis[s] (the segment's basis id). Outlier chunks are copied per KV head into a GPU
 outlier pool of [c, D] blocks. Slot 0 of every pool is reserved as a padding target.
+
+Host values may be int8 with one float32 scale per chunk and KV head (value_scale[s], GPU): the
+host pool and every byte a decode step gathers over PCIe halve, for a rounding error of at most
+half a step of 1/127 of the chunk's largest value.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class ChunkRef:
 class ShadowKVPool:
     def __init__(self, num_chunk_slots: int, max_segments: int, max_outliers: int, chunk_size: int,
                  num_layers: int, num_kv_heads: int, head_dim: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, value_dtype: torch.dtype | None = None):
         self.chunk_size, self.num_kv_heads, self.head_dim = chunk_size, num_kv_heads, head_dim
         self.max_rank, self.dtype, self.device = max_rank, dtype, torch.device(device)
         self.num_layers = num_layers
@@ -71,19 +75,24 @@ class ShadowKVPool:
         # position of each outlier block's first token (outliers differ per layer)
         self.outlier_pos = [torch.zeros(out_blocks, dtype=torch.int32, device=self.device)
                             for _ in range(num_layers)]
-        host_shape = (slots, num_kv_heads, chunk_size, head_dim)
+        host_shape, host_dtype = (slots, num_kv_heads, chunk_size, head_dim), value_dtype or dtype
+        if host_dtype not in (dtype, torch.int8):
+            raise ValueError(f"value_dtype must be the pool dtype or torch.int8, got {host_dtype}")
         if pin:  # page-locked at the exact size; unpinned when the pool (its owners) goes
-            self._host_owners = [PinnedHostTensor(host_shape, dtype) for _ in range(num_layers)]
+            self._host_owners = [PinnedHostTensor(host_shape, host_dtype) for _ in range(num_layers)]
             self.host_v = [owner.tensor for owner in self._host_owners]
         else:
             self._host_owners = []
-            self.host_v = [torch.zeros(host_shape, dtype=dtype) for _ in range(num_layers)]
+            self.host_v = [torch.zeros(host_shape, dtype=host_dtype) for _ in range(num_layers)]
+        self.value_scale = [torch.ones(slots, num_kv_heads, dtype=torch.float32, device=self.device)
+                            for _ in range(num_layers)] if host_dtype == torch.int8 else None
         self.chunk_pos = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self.chunk_basis = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self._free_slots = list(range(slots - 1, 0, -1))
         self._free_segments = list(range(max_segments - 1, -1, -1))
         self._free_out_blocks = list(range(out_blocks - 1, 0, -1))
         self.elt = torch.empty((), dtype=dtype).element_size()
+        self.host_elt = self.host_v[0].element_size()
         self.d2h_stream = torch.cuda.Stream(self.device) if pin else None
         self.live: dict[int, Segment] = {}  # allocated segments by id
 
@@ -142,6 +151,9 @@ class ShadowKVPool:
         """Copy the segment's values [n, Hkv, c, D] into its host chunks: one copy per run of
         consecutive slots. On the GPU the copies go on a side stream straight into pinned memory,
         so they overlap the next layers' prefill; `wait_host_writes` orders later readers."""
+        if self.value_scale is not None:
+            values, self.value_scale[layer][seg.chunk_slots] = quantize_chunks(values)
+
         def copy_runs(non_blocking: bool):
             for first, count, offset in seg.slot_runs:
                 self.host_v[layer][first:first + count].copy_(values[offset:offset + count],
@@ -164,7 +176,11 @@ class ShadowKVPool:
             if lo < hi:
                 parts.append(self.host_v[layer][slot + lo - offset:slot + hi - offset].to(
                     self.device, non_blocking=True))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        values = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if self.value_scale is None:
+            return values
+        scale = self.value_scale[layer][seg.chunk_slots[first:first + count]]
+        return (values.float() * scale[:, :, None, None]).to(self.dtype)
 
     def wait_host_writes(self) -> None:
         """Make the current stream wait for the value copies of finished compressions."""
@@ -186,21 +202,30 @@ class ShadowKVPool:
         lowrank = sum(r * (n * c + kv_dim) for r in seg.ranks) * self.elt
         landmarks = layers * n * kv_dim * self.elt
         outliers = layers * 2 * self.num_kv_heads * seg.num_outliers * c * self.head_dim * self.elt
-        host = layers * n * c * kv_dim * self.elt
+        scales = 0 if self.value_scale is None else layers * n * self.num_kv_heads * 4
+        host = layers * n * c * kv_dim * self.host_elt
         return {"gpu_lowrank_bytes": lowrank, "gpu_landmark_bytes": landmarks,
-                "gpu_outlier_bytes": outliers, "gpu_compressed_bytes": lowrank + landmarks + outliers,
-                "host_bytes": host}
+                "gpu_outlier_bytes": outliers, "gpu_value_scale_bytes": scales,
+                "gpu_compressed_bytes": lowrank + landmarks + outliers + scales, "host_bytes": host}
 
     def capacity_bytes(self) -> dict[str, int]:
         def total(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
-        gpu = total(self.a_rows + self.basis + self.landmarks + self.outlier_k + self.outlier_v)
+        gpu = total(self.a_rows + self.basis + self.landmarks + self.outlier_k + self.outlier_v
+                    + (self.value_scale or []))
         live = [self.segment_bytes(seg) for seg in self.live.values()]
         return {"gpu_pool_bytes": gpu, "host_pool_bytes": total(self.host_v), "segments": len(live),
                 "segment_gpu_bytes": sum(b["gpu_compressed_bytes"] for b in live),
                 "segment_host_bytes": sum(b["host_bytes"] for b in live),
                 "chunk_slots": self.chunk_capacity, "free_chunk_slots": self.free_chunks,
                 "free_segments": self.free_segments}
+
+
+def quantize_chunks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [n, Hkv, c, D] -> int8 values and the float32 scale [n, Hkv] of each chunk and KV head
+    (its largest magnitude / 127; value = int8 * scale)."""
+    scale = values.float().abs().amax((2, 3)).clamp(min=1e-30) / 127
+    return (values.float() / scale[:, :, None, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
 def _contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:

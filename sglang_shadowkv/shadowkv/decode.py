@@ -156,7 +156,8 @@ class SparseDecoder:
         gather_fn = gv.gather_values if self.use_triton else gv.gather_values_reference
 
         def gather():
-            gather_fn(pool.host_v[layer], jobs, self.scratch_v[layer], rows)
+            gather_fn(pool.host_v[layer], jobs, self.scratch_v[layer], rows,
+                      None if pool.value_scale is None else pool.value_scale[layer])
 
         if self.copy_stream is None:
             gather()
