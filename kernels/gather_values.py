@@ -71,7 +71,7 @@ def gather_values(host_v, jobs, scratch_v, scratch_rows, scale=None, programs: i
     if scale is not None and scale.stride(1) != 1:
         raise ValueError("scale must be contiguous over KV heads")
     _gather_values_kernel[(min(programs, jobs.numel()),)](
-        host_v, jobs, scratch_v, scratch_rows, jobs if scale is None else scale, jobs.numel(),
+        host_v, jobs, scratch_v, scratch_rows, jobs if scale is None else scale, jobs.numel(),  # (unread if unscaled)
         host_v.stride(0), host_v.stride(1), jobs.stride(0), jobs.stride(1),
         scratch_v.stride(0), scratch_v.stride(1), scratch_v.stride(2), 0 if scale is None else scale.stride(0),
         HEADS=hkv, ENTRIES=e, NUMEL=numel, BLOCK=triton.next_power_of_2(numel), SCALED=scale is not None)

@@ -10,8 +10,8 @@ and chunk_basis[s] (the segment's basis id). Outlier chunks are copied per KV he
 outlier pool of [c, D] blocks. Slot 0 of every pool is reserved as a padding target.
 
 Host values may be int8 with one float32 scale per chunk and KV head (value_scale[s], GPU): the
-host pool and every byte a decode step gathers over PCIe halve, for a rounding error of at most
-half a step of 1/127 of the chunk's largest value.
+host pool and the bytes a decode step gathers over PCIe shrink to one per value (half of bf16),
+for a rounding error of at most half a step of 1/127 of the chunk's largest value.
 """
 
 from __future__ import annotations
@@ -152,7 +152,8 @@ class ShadowKVPool:
         consecutive slots. On the GPU the copies go on a side stream straight into pinned memory,
         so they overlap the next layers' prefill; `wait_host_writes` orders later readers."""
         if self.value_scale is not None:
-            values, self.value_scale[layer][seg.chunk_slots] = quantize_chunks(values)
+            values, scale = quantize_chunks(values)
+            self.value_scale[layer][seg.chunk_slots] = scale
 
         def copy_runs(non_blocking: bool):
             for first, count, offset in seg.slot_runs:
