@@ -338,15 +338,18 @@ def test_restore_brings_back_keys_and_values():
     got_k, got_v = restore_chunks(store, refs[2:7], 0, rotary)
     torch.testing.assert_close(got_k, k[8:28], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_v, v[8:28])
-    store = ShadowKVPool(n, 1, 2, c, 1, h, d, 4, torch.float32, "cpu")  # rank 4
+    # rank 4 and int8 host values: outlier chunks come back exact, the others approximate
+    store = ShadowKVPool(n, 1, 2, c, 1, h, d, 4, torch.float32, "cpu", value_dtype=torch.int8)
     seg = store.alloc_segment(16, n * c, 2)
     compress_layer(store, seg, 0, k, v, rotary, ShadowKVConfig(rank=4, outliers=2, chunk_size=c))
-    got_k, _ = restore_chunks(store, store.chunk_refs(seg), 0, rotary)
+    got_k, got_v = restore_chunks(store, store.chunk_refs(seg), 0, rotary)
     outlier_chunks = ((store.outlier_pos[0][seg.outlier_blocks.long()] - 16) // c).tolist()
     for head in range(h):
         for chunk in outlier_chunks[head]:  # exact where the chunk is an outlier of that head
             torch.testing.assert_close(got_k[chunk * c:(chunk + 1) * c, head], k[chunk * c:(chunk + 1) * c, head])
+            torch.testing.assert_close(got_v[chunk * c:(chunk + 1) * c, head], v[chunk * c:(chunk + 1) * c, head])
     assert (got_k - k).norm() / k.norm() > 1e-3  # and low-rank elsewhere
+    assert 0 < (got_v - v).norm() / v.norm() < 0.01  # and int8-rounded elsewhere
 
 
 def test_abort_during_a_suffix_prefill_frees_the_restored_pages(shadow_engine):

@@ -2,8 +2,9 @@
 
 A request that reuses a compressed document still has to prefill its own suffix (a question, a new
 chat turn), and the suffix attends to the whole prefix. Its chunks are brought back dense: keys
-RoPE(A·B) at their positions (outlier chunks exactly, from the outlier pool), values copied from
-the host pool; then the suffix runs ordinary dense prefill attention over them.
+RoPE(A·B) at their positions, values copied from the host pool; outlier chunks exactly, keys and
+values from the outlier pool (exact even when the host values are int8). Then the suffix runs
+ordinary dense prefill attention over them.
 """
 
 from __future__ import annotations
@@ -28,17 +29,19 @@ def restore_chunks(pool: ShadowKVPool, refs: list[ChunkRef], layer: int,
         k_pre = pool.a_rows[layer][rows, :rank].float() @ pool.basis[layer][seg.seg_id, :rank].float()
         positions = (seg.start + idx[:, None] * c + offsets).flatten()
         k = rotary.apply(k_pre.view(-1, h, d), positions, out_dtype=pool.dtype)
-        # outlier chunks of this run: their exact keys (values are exact in the host pool already)
+        v = pool.read_host_values(layer, seg, indices[0], len(indices)).permute(0, 2, 1, 3).reshape(-1, h, d)
+        # outlier chunks of this run: their exact keys and values
         blocks = seg.outlier_blocks.long()  # [H, o]
         first = pool.outlier_pos[layer][blocks] - seg.start - indices[0] * c  # offset in this run
         inside = (first >= 0) & (first < len(indices) * c)
         head, which = inside.nonzero(as_tuple=True)
         if head.numel():
             token = (first[head, which][:, None] + offsets).flatten()
-            k[token, head.repeat_interleave(c)] = pool.outlier_k[layer][blocks[head, which]].reshape(-1, d)
-        v = pool.read_host_values(layer, seg, indices[0], len(indices))  # [m, H, c, D]
+            token_heads = (token, head.repeat_interleave(c))
+            k[token_heads] = pool.outlier_k[layer][blocks[head, which]].reshape(-1, d)
+            v[token_heads] = pool.outlier_v[layer][blocks[head, which]].reshape(-1, d)
         keys.append(k)
-        values.append(v.permute(0, 2, 1, 3).reshape(-1, h, d))
+        values.append(v)
     return torch.cat(keys), torch.cat(values)
 
 
