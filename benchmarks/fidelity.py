@@ -100,7 +100,7 @@ def layer_errors(engine: Engine, ids: list[int], configs: list[ShadowKVConfig]) 
             n = span // cfg.chunk_size
             store = ShadowKVPool(n, 1, cfg.outliers, cfg.chunk_size, c.num_layers, c.num_kv_heads,
                                  c.head_dim, cfg.max_rank(c.kv_dim), runner.dtype, runner.device,
-                                 cfg.host_value_torch_dtype)
+                                 cfg.host_value_torch_dtype, cfg.landmark_torch_dtype)
             decoder = SparseDecoder(store, cfg, model.rotary, 1, n, runner.device.type == "cuda")
             seg = store.alloc_segment(0, span, cfg.num_outliers(n))
             plan = decoder.plan_step(table.table, [SparseRequest(row, decoder.alloc_row(),

@@ -49,6 +49,7 @@ class ServerArgs:
     shadowkv_min_context: int = _SKV.min_context
     shadowkv_lowrank_method: str = _SKV.lowrank_method
     shadowkv_value_dtype: str = _SKV.value_dtype
+    shadowkv_landmark_dtype: str = _SKV.landmark_dtype
     shadowkv_host_tokens: int | None = _SKV.host_tokens
     shadowkv_max_requests: int = _SKV.max_requests
     # KV-eviction baselines (attention="streamingllm" or "snapkv"); see layers/attention/eviction_backend.py
@@ -133,6 +134,8 @@ class ServerArgs:
                                        "(top eigenvectors of the Gram matrix) or svd (the paper's)",
             "shadowkv_value_dtype": "host values: auto (the model dtype) or int8 (a scale per chunk and KV "
                                     "head: half the host memory and PCIe traffic)",
+            "shadowkv_landmark_dtype": "landmarks: auto (the model dtype) or int8 (a scale per chunk and KV "
+                                       "head: half their GPU memory and the bytes scoring reads)",
             "shadowkv_host_tokens": "capacity of the compressed pools (host values) in tokens",
             "shadowkv_max_requests": "requests decoding from compressed state at once",
         }

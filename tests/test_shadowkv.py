@@ -80,26 +80,35 @@ def test_segment_slot_runs_cover_its_chunks():
     torch.testing.assert_close(pool.host_v[0][third.chunk_slots], values)
 
 
-def test_int8_host_values_round_trip_within_half_a_step():
+def test_int8_values_and_landmarks_round_trip_within_half_a_step():
     from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
 
-    def pool(value_dtype):
-        return ShadowKVPool(12, 3, 2, 4, 1, 2, 8, 4, torch.float32, "cpu", value_dtype=value_dtype)
+    def pool(value_dtype, landmark_dtype):
+        return ShadowKVPool(12, 3, 2, 4, 1, 2, 8, 4, torch.float32, "cpu", value_dtype=value_dtype,
+                            landmark_dtype=landmark_dtype)
 
-    exact, int8 = pool(None), pool(torch.int8)
+    exact, int8 = pool(None, None), pool(torch.int8, torch.int8)
     values = torch.randn(6, 2, 4, 8) * torch.logspace(-3, 1, 6)[:, None, None, None]  # scales differ by chunk
+    landmarks = values.mean(2)
     for p in (exact, int8):
         seg = p.alloc_segment(0, 24, 1)
         p.write_host_values(0, seg, values)
-    assert int8.host_v[0].dtype == torch.int8
+        p.write_landmarks(0, seg, landmarks)
+    assert int8.host_v[0].dtype == int8.landmarks[0].dtype == torch.int8
     got = int8.read_host_values(0, seg, 1, 4)
     step = values[1:5].abs().amax((2, 3), keepdim=True) / 127
     assert ((got - values[1:5]).abs() <= step / 2 + 1e-7).all() and (got != values[1:5]).any()
+    got_landmarks = int8.landmarks[0][seg.chunk_slots].float() * int8.landmark_scale[0][seg.chunk_slots, :, None]
+    step = landmarks.abs().amax(2, keepdim=True) / 127
+    assert ((got_landmarks - landmarks).abs() <= step / 2 + 1e-7).all() and (got_landmarks != landmarks).any()
+    torch.testing.assert_close(exact.landmarks[0][seg.chunk_slots], landmarks)
     exact_bytes, int8_bytes = exact.segment_bytes(seg), int8.segment_bytes(seg)
     assert int8_bytes["host_bytes"] * 4 == exact_bytes["host_bytes"]  # float32 pool: a quarter
     assert int8_bytes["gpu_value_scale_bytes"] == 6 * 2 * 4
-    with pytest.raises(ValueError, match="value_dtype"):
-        pool(torch.float16)
+    assert int8_bytes["gpu_landmark_bytes"] == exact_bytes["gpu_landmark_bytes"] // 4 + 6 * 2 * 4  # + scales
+    for name, args in (("value_dtype", (torch.float16, None)), ("landmark_dtype", (None, torch.float16))):
+        with pytest.raises(ValueError, match=name):
+            pool(*args)
 
 
 def test_landmarks_and_outliers():
@@ -122,7 +131,8 @@ def test_config_sizes_and_errors():
     for kwargs, name in [({"budget": 0}, "shadowkv_budget"), ({"rank": -1}, "shadowkv_rank"),
                          ({"lowrank_method": "qr"}, "shadowkv_lowrank_method"),
                          ({"rank_energy": 1.5}, "shadowkv_rank_energy"),
-                         ({"value_dtype": "fp4"}, "shadowkv_value_dtype")]:
+                         ({"value_dtype": "fp4"}, "shadowkv_value_dtype"),
+                         ({"landmark_dtype": "fp8"}, "shadowkv_landmark_dtype")]:
         with pytest.raises(ValueError, match=name):
             ShadowKVConfig(**kwargs)
 
@@ -189,10 +199,10 @@ def test_compressed_decode_follows_full_attention(shadow_engine, engine):
     assert_shadow_pools_clean(shadow_engine)
 
 
-def test_int8_host_values_decode_like_exact_ones(shadow_engine):
+def test_int8_values_and_landmarks_decode_like_exact_ones(shadow_engine):
     from sglang_shadowkv import Engine
 
-    eng = Engine(**SHADOW_ENGINE, shadowkv_value_dtype="int8")
+    eng = Engine(**SHADOW_ENGINE, shadowkv_value_dtype="int8", shadowkv_landmark_dtype="int8")
     try:
         ids = long_prompt(shadow_engine.tokenizer, 1200, 3)
         got = eng.generate(input_ids=ids, sampling_params=GREEDY)
@@ -200,6 +210,7 @@ def test_int8_host_values_decode_like_exact_ones(shadow_engine):
         assert sum(a == b for a, b in zip(got["output_ids"], want["output_ids"])) >= 0.8 * len(want["output_ids"])
         got_info, want_info = got["meta_info"]["shadowkv"], want["meta_info"]["shadowkv"]
         assert got_info["host_bytes"] * 4 == want_info["host_bytes"]  # float32 on the CPU
+        assert got_info["gpu_landmark_bytes"] < want_info["gpu_landmark_bytes"] / 3  # int8 + a scale per head
         assert got_info["compressed_tokens"] == want_info["compressed_tokens"] > 0
     finally:
         eng.shutdown()

@@ -26,19 +26,24 @@ def _jobs(gen, batch, heads, entries, num_slots, hit_fraction=0.3):
     return torch.where(torch.rand(jobs.shape, generator=gen) < hit_fraction, -1, jobs)
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 3, 8])
 @pytest.mark.parametrize("head_dim,num_chunks", [(32, 37), (64, 70), (64, 5)])
-def test_landmark_logits(group, head_dim, num_chunks):
-    gen = torch.Generator().manual_seed(group * 1000 + num_chunks)
+def test_landmark_logits(group, head_dim, num_chunks, int8):
+    gen = torch.Generator().manual_seed(group * 1000 + num_chunks + int8)
     batch, hkv, slots = 3, 2, 200
     q = torch.randn(batch, hkv * group, head_dim, generator=gen)
     landmarks = torch.randn(slots, hkv, head_dim, generator=gen)
+    scale = None
+    if int8:  # the int8 landmark pool: one scale per chunk slot and KV head
+        landmarks = torch.randint(-127, 128, landmarks.shape, generator=gen, dtype=torch.int8)
+        scale = (torch.rand(slots, hkv, generator=gen) + 0.01).to(DEVICE) / 127
     selectable = (torch.rand(slots, hkv, generator=gen) < 0.8).to(torch.int8)
     selectable[0] = 0
     chunk_slots = torch.stack([torch.randperm(slots - 1, generator=gen)[:num_chunks] + 1 for _ in range(batch)])
     chunk_slots[1, num_chunks // 2:] = 0  # a shorter request, padded with slot 0
     args = [t.to(DEVICE) for t in (q, landmarks, chunk_slots.int(), selectable)] + [head_dim ** -0.5]
-    got, want = landmark_logits(*args), landmark_logits_reference(*args)
+    got, want = landmark_logits(*args, scale), landmark_logits_reference(*args, scale)
     assert torch.equal(got.isinf(), want.isinf())
     assert want.isinf().any() and not want.isinf().all()
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)

@@ -105,7 +105,8 @@ class ModelRunner:
             num_chunk_slots=host_tokens // skv.chunk_size, max_segments=SEGMENTS_PER_REQUEST * skv.max_requests,
             max_outliers=skv.outliers, chunk_size=skv.chunk_size, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_rank=skv.max_rank(cfg.kv_dim),
-            dtype=self.dtype, device=self.device, value_dtype=skv.host_value_torch_dtype)
+            dtype=self.dtype, device=self.device, value_dtype=skv.host_value_torch_dtype,
+            landmark_dtype=skv.landmark_torch_dtype)
         self.decoder = SparseDecoder(self.shadow_pool, skv, self.model.rotary, skv.max_requests,
                                      self.context_length // skv.chunk_size, self.device.type == "cuda")
 

@@ -11,7 +11,9 @@ outlier pool of [c, D] blocks. Slot 0 of every pool is reserved as a padding tar
 
 Host values may be int8 with one float32 scale per chunk and KV head (value_scale[s], GPU): the
 host pool and the bytes a decode step gathers over PCIe shrink to one per value (half of bf16),
-for a rounding error of at most half a step of 1/127 of the chunk's largest value.
+for a rounding error of at most half a step of 1/127 of the chunk's largest value. Landmarks may
+be int8 the same way (landmark_scale[s]): half their GPU memory, which at long contexts is a third
+of a request's, and half the bytes the per-step scores read.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class ChunkRef:
 class ShadowKVPool:
     def __init__(self, num_chunk_slots: int, max_segments: int, max_outliers: int, chunk_size: int,
                  num_layers: int, num_kv_heads: int, head_dim: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device | str, value_dtype: torch.dtype | None = None):
+                 dtype: torch.dtype, device: torch.device | str, value_dtype: torch.dtype | None = None,
+                 landmark_dtype: torch.dtype | None = None):
         self.chunk_size, self.num_kv_heads, self.head_dim = chunk_size, num_kv_heads, head_dim
         self.max_rank, self.dtype, self.device = max_rank, dtype, torch.device(device)
         self.num_layers = num_layers
@@ -67,7 +70,10 @@ class ShadowKVPool:
         gpu = dict(dtype=dtype, device=self.device)
         self.a_rows = [torch.zeros(slots * chunk_size, max_rank, **gpu) for _ in range(num_layers)]
         self.basis = [torch.zeros(max_segments, max_rank, kv_dim, **gpu) for _ in range(num_layers)]
-        self.landmarks = [torch.zeros(slots, num_kv_heads, head_dim, **gpu) for _ in range(num_layers)]
+        landmark_dtype = _storage_dtype("landmark_dtype", landmark_dtype, dtype)
+        self.landmarks = [torch.zeros(slots, num_kv_heads, head_dim, dtype=landmark_dtype, device=self.device)
+                          for _ in range(num_layers)]
+        self.landmark_scale = _scales(slots, num_kv_heads, self.device, num_layers, landmark_dtype)
         self.selectable = [torch.zeros(slots, num_kv_heads, dtype=torch.int8, device=self.device)
                            for _ in range(num_layers)]
         self.outlier_k = [torch.zeros(out_blocks, chunk_size, head_dim, **gpu) for _ in range(num_layers)]
@@ -75,17 +81,14 @@ class ShadowKVPool:
         # position of each outlier block's first token (outliers differ per layer)
         self.outlier_pos = [torch.zeros(out_blocks, dtype=torch.int32, device=self.device)
                             for _ in range(num_layers)]
-        host_shape, host_dtype = (slots, num_kv_heads, chunk_size, head_dim), value_dtype or dtype
-        if host_dtype not in (dtype, torch.int8):
-            raise ValueError(f"value_dtype must be the pool dtype or torch.int8, got {host_dtype}")
+        host_shape, host_dtype = (slots, num_kv_heads, chunk_size, head_dim), _storage_dtype("value_dtype", value_dtype, dtype)
         if pin:  # page-locked at the exact size; unpinned when the pool (its owners) goes
             self._host_owners = [PinnedHostTensor(host_shape, host_dtype) for _ in range(num_layers)]
             self.host_v = [owner.tensor for owner in self._host_owners]
         else:
             self._host_owners = []
             self.host_v = [torch.zeros(host_shape, dtype=host_dtype) for _ in range(num_layers)]
-        self.value_scale = [torch.ones(slots, num_kv_heads, dtype=torch.float32, device=self.device)
-                            for _ in range(num_layers)] if host_dtype == torch.int8 else None
+        self.value_scale = _scales(slots, num_kv_heads, self.device, num_layers, host_dtype)
         self.chunk_pos = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self.chunk_basis = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self._free_slots = list(range(slots - 1, 0, -1))
@@ -152,7 +155,7 @@ class ShadowKVPool:
         consecutive slots. On the GPU the copies go on a side stream straight into pinned memory,
         so they overlap the next layers' prefill; `wait_host_writes` orders later readers."""
         if self.value_scale is not None:
-            values, scale = quantize_chunks(values)
+            values, scale = quantize_per_head(values)
             self.value_scale[layer][seg.chunk_slots] = scale
 
         def copy_runs(non_blocking: bool):
@@ -183,6 +186,13 @@ class ShadowKVPool:
         scale = self.value_scale[layer][seg.chunk_slots[first:first + count]]
         return (values.float() * scale[:, :, None, None]).to(self.dtype)
 
+    def write_landmarks(self, layer: int, seg: Segment, landmarks: torch.Tensor) -> None:
+        """Store the segment's landmarks [n, Hkv, D] (an int8 pool quantises them with their scales)."""
+        if self.landmark_scale is not None:
+            landmarks, scale = quantize_per_head(landmarks)
+            self.landmark_scale[layer][seg.chunk_slots] = scale
+        self.landmarks[layer][seg.chunk_slots] = landmarks.to(self.landmarks[layer].dtype)
+
     def wait_host_writes(self) -> None:
         """Make the current stream wait for the value copies of finished compressions."""
         if self.d2h_stream is not None:
@@ -201,7 +211,8 @@ class ShadowKVPool:
         n = seg.num_chunks if num_chunks is None else num_chunks
         layers = len(seg.ranks)
         lowrank = sum(r * (n * c + kv_dim) for r in seg.ranks) * self.elt
-        landmarks = layers * n * kv_dim * self.elt
+        landmarks = layers * n * (kv_dim * self.landmarks[0].element_size()
+                                  + (0 if self.landmark_scale is None else self.num_kv_heads * 4))
         outliers = layers * 2 * self.num_kv_heads * seg.num_outliers * c * self.head_dim * self.elt
         scales = 0 if self.value_scale is None else layers * n * self.num_kv_heads * 4
         host = layers * n * c * kv_dim * self.host_elt
@@ -213,7 +224,7 @@ class ShadowKVPool:
         def total(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
         gpu = total(self.a_rows + self.basis + self.landmarks + self.outlier_k + self.outlier_v
-                    + (self.value_scale or []))
+                    + (self.value_scale or []) + (self.landmark_scale or []))
         live = [self.segment_bytes(seg) for seg in self.live.values()]
         return {"gpu_pool_bytes": gpu, "host_pool_bytes": total(self.host_v), "segments": len(live),
                 "segment_gpu_bytes": sum(b["gpu_compressed_bytes"] for b in live),
@@ -222,11 +233,28 @@ class ShadowKVPool:
                 "free_segments": self.free_segments}
 
 
-def quantize_chunks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [n, Hkv, c, D] -> int8 values and the float32 scale [n, Hkv] of each chunk and KV head
-    (its largest magnitude / 127; value = int8 * scale)."""
-    scale = values.float().abs().amax((2, 3)).clamp(min=1e-30) / 127
-    return (values.float() / scale[:, :, None, None]).round().clamp(-127, 127).to(torch.int8), scale
+def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, Hkv, ...] (values of chunks, or landmarks) -> int8 and the float32 scale [n, Hkv] of each
+    chunk and KV head (its largest magnitude / 127; x = int8 * scale)."""
+    x = x.float()
+    scale = x.flatten(2).abs().amax(2).clamp(min=1e-30) / 127
+    per_element = scale.view(*scale.shape, *[1] * (x.dim() - 2))
+    return (x / per_element).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def _storage_dtype(name: str, requested: torch.dtype | None, dtype: torch.dtype) -> torch.dtype:
+    """The pool dtype (None) or int8; anything else is an error naming the argument."""
+    if requested not in (None, dtype, torch.int8):
+        raise ValueError(f"{name} must be the pool dtype or torch.int8, got {requested}")
+    return requested or dtype
+
+
+def _scales(slots: int, num_kv_heads: int, device: torch.device, num_layers: int,
+            dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """Per layer a float32 scale per chunk slot and KV head for an int8 pool (None otherwise)."""
+    if dtype != torch.int8:
+        return None
+    return [torch.ones(slots, num_kv_heads, dtype=torch.float32, device=device) for _ in range(num_layers)]
 
 
 def _contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:

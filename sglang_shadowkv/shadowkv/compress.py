@@ -141,7 +141,7 @@ def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.T
         pool.a_rows[layer][pool.token_rows(seg)] = (k_pre @ padded_basis.T).to(pool.dtype)
 
     landmarks, outlier_ids = chunk_landmarks_and_outliers(k_post, c, seg.num_outliers)
-    pool.landmarks[layer][seg.chunk_slots] = landmarks.to(pool.dtype)
+    pool.write_landmarks(layer, seg, landmarks)
     head_major_k = k_post.view(n, c, h, d).permute(2, 0, 1, 3)  # [H, n, c, D]
     head_major_v = v.view(n, c, h, d).permute(2, 0, 1, 3)
     pick = outlier_ids[:, :, None, None].expand(-1, -1, c, d)

@@ -14,7 +14,7 @@ import torch
 PAPER_RANK_PER_1024_KEY_DIMS = 160
 MIN_RANK = 16
 LOWRANK_METHODS = ("auto", "eigh", "subspace", "svd")
-VALUE_DTYPES = ("auto", "int8")
+STORAGE_DTYPES = ("auto", "int8")  # the model dtype, or int8 with a scale per chunk and KV head
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class ShadowKVConfig:
     min_context: int = 4096  # shorter prompts stay dense: compression does not pay
     lowrank_method: str = "auto"  # Gram matrix: full eigh or subspace iteration (auto: by size); or svd
     value_dtype: str = "auto"  # host values: the model dtype, or int8 with a scale per chunk and KV head
+    landmark_dtype: str = "auto"  # landmarks (GPU): likewise
     host_tokens: int | None = None  # capacity of the compressed pools in tokens; None: from the device
     max_requests: int = 16  # requests in compressed decode at once (each holds a chunk-cache scratch)
 
@@ -50,8 +51,9 @@ class ShadowKVConfig:
             raise bad("budget", "a fraction in (0, 1]", self.budget)
         if self.lowrank_method not in LOWRANK_METHODS:
             raise bad("lowrank_method", f"one of {LOWRANK_METHODS}", self.lowrank_method)
-        if self.value_dtype not in VALUE_DTYPES:
-            raise bad("value_dtype", f"one of {VALUE_DTYPES}", self.value_dtype)
+        for name in ("value_dtype", "landmark_dtype"):
+            if getattr(self, name) not in STORAGE_DTYPES:
+                raise bad(name, f"one of {STORAGE_DTYPES}", getattr(self, name))
         if self.host_tokens is not None and (not isinstance(self.host_tokens, int) or self.host_tokens < 1):
             raise bad("host_tokens", "a positive int or None", self.host_tokens)
 
@@ -63,6 +65,11 @@ class ShadowKVConfig:
     def host_value_torch_dtype(self) -> torch.dtype | None:
         """dtype of the host value pool (None: the model's)."""
         return torch.int8 if self.value_dtype == "int8" else None
+
+    @property
+    def landmark_torch_dtype(self) -> torch.dtype | None:
+        """dtype of the landmark pool (None: the model's)."""
+        return torch.int8 if self.landmark_dtype == "int8" else None
 
     def max_rank(self, kv_dim: int) -> int:
         """Width of the low-rank pools: the fixed rank, or the cap of the energy rule."""

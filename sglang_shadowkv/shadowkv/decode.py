@@ -121,7 +121,8 @@ class SparseDecoder:
         h, k_max = pool.num_kv_heads, self.max_entries
         sm_scale = q.shape[-1] ** -0.5
         logits_fn = ls.landmark_logits if self.use_triton else ls.landmark_logits_reference
-        logits = logits_fn(q, pool.landmarks[layer], plan.chunk_slots, pool.selectable[layer], sm_scale)
+        logits = logits_fn(q, pool.landmarks[layer], plan.chunk_slots, pool.selectable[layer], sm_scale,
+                           None if pool.landmark_scale is None else pool.landmark_scale[layer])
         logits = logits.view(b, h, -1, logits.shape[-1])
         scores = logits.softmax(-1).amax(2).masked_fill(logits[:, :, 0].isinf(), -1.0)
         top = scores.topk(plan.top_k, dim=-1).indices  # [B, H, k]
