@@ -250,7 +250,7 @@ def best_rate(runner, items, steps) -> dict:
 CATEGORIES = [  # (category, kernel-name pattern), first match wins
     ("scores", r"landmark"), ("fetch (value gather)", r"gather_values"), ("rebuild", r"rebuild_keys"),
     ("attention", r"sparse_decode|ragged_attention|BatchDecode|flashinfer|decode_kernel|SingleDecode"),
-    ("top-k", r"topk|TopK|radix|softmax|Softmax|bitonic"), ("chunk cache", r"searchsorted|sort|scan|cumsum|scatter"),
+    ("top-k", r"topk|TopK|radix|softmax|Softmax|SoftMax|bitonic"), ("chunk cache", r"searchsorted|sort|scan|cumsum|scatter"),
     ("GEMM (QKV, O, FFN, lm_head)", r"gemm|Gemm|cutlass|nvjet|sm90|xmma|cublas|gemv"),
 ]
 
@@ -441,8 +441,9 @@ def main() -> None:
                     runner, items = shadowkv_requests(loaded, skv_backend, largest, context, keys, gen, storage=storage)
                 except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # pinned or GPU memory ran out
                     print(f"shadowkv[{variant}] {context} b{largest}: {type(exc).__name__}, trying fewer", flush=True)
-                    free_memory()
                     largest -= max(1, largest // 8)
+                if runner is None:  # here, not in the handler: its traceback holds the half-built pools
+                    free_memory()
             if runner is None:
                 continue
             per_seq = ((torch.cuda.memory_allocated() if CUDA else 0) - before) / largest
