@@ -328,11 +328,14 @@ def equivalent_bandwidth(context, chunk, selected, outliers, hit_rate, b_gpu, b_
 
 
 def calibrate_embedding_direction(loaded, embedding: SharedEmbeddingDirection, backend: str, context: int,
-                                  storage: str, args, gen) -> tuple[float, list[dict]]:
+                                  storage: str, args, gen) -> tuple[float, list[dict], float]:
     """The shared-direction ratio whose chunk-cache hit rate (two requests, low-rank keys, eager
     steps) is nearest the target, and every ratio tried: doubling from 1 until the target is
-    reached, then halving the interval on a log scale (the rate grows with the ratio)."""
+    reached, then halving the interval on a log scale (the rate grows with the ratio). Also the GPU
+    bytes per request of those two (an upper bound: fixed costs are shared by more requests)."""
+    before = torch.cuda.memory_allocated() if CUDA else 0
     runner, items = shadowkv_requests(loaded, backend, 2, context, "lowrank", gen, storage=storage)
+    gpu_bytes_per_request = ((torch.cuda.memory_allocated() if CUDA else 0) - before) / 2
     sweep = []
 
     def reaches_target(ratio: float) -> bool:
@@ -352,7 +355,7 @@ def calibrate_embedding_direction(loaded, embedding: SharedEmbeddingDirection, b
     del runner, items
     free_memory()
     best = min(sweep, key=lambda r: abs(r["chunk_cache_hit_rate"] - args.target_hit_rate))
-    return best["ratio"], sweep
+    return best["ratio"], sweep, gpu_bytes_per_request
 
 
 def main() -> None:
@@ -423,17 +426,19 @@ def main() -> None:
             del runner, items
             free_memory()
             print(f"full {context} b{batch}: {rate['tok_per_s']:.1f} tok/s ({rate['mode']})", flush=True)
-        ratios = {"worst case": 0.0}
+        ratios, gpu_batch = {"worst case": 0.0}, max(args.batches)
         if "calibrated" in args.workloads:
-            ratios["calibrated"], sweep = calibrate_embedding_direction(
+            ratios["calibrated"], sweep, per_request = calibrate_embedding_direction(
                 loaded, embedding, skv_backend, context, args.storage[-1], args, gen)
+            # first try a batch that fits the GPU by that bound (each failed try costs minutes)
+            gpu_batch = max(1, int(free // per_request)) if CUDA else gpu_batch
             result["calibration"][str(context)] = {"chosen_ratio": ratios["calibrated"], "sweep": sweep}
         for workload, storage in itertools.product(args.workloads, args.storage):
             keys = "lowrank" if workload == "calibrated" else "random"
             embedding.set(ratios[workload])
             variant = f"{workload}/{'bf16' if storage == 'auto' else storage}"
             host_batch = int(args.host_gib * GiB // (context * host_bytes_per_token[storage]))
-            largest = min(host_batch, max(args.batches))
+            largest = min(host_batch, max(args.batches), gpu_batch)
             runner = None
             while runner is None and largest >= 1:
                 before = torch.cuda.memory_allocated() if CUDA else 0
