@@ -45,10 +45,13 @@ import gc
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import re
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +70,7 @@ CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")  # CPU: only to check the script runs (tiny model)
 ACTIVATION_RESERVE = 6 * GiB  # left free for activations, workspaces and graphs
 MAX_EMBEDDING_RATIO = 256.0  # the calibration's search stops here
+SKV_BACKEND = "triton" if CUDA else "torch"
 
 
 # ---- measured physical limits ------------------------------------------------------------------------
@@ -298,26 +302,21 @@ def free_memory() -> None:
         torch._C._host_emptyCache()
 
 
-def shared_document(loaded, args, full_backend: str, skv_backend: str, gen, result: dict) -> None:
+def measure_shared_document(args, batch: int) -> dict:
     """B requests over one document (the radix cache's case): full attention shares the dense pages,
     ShadowKV the compressed segment; both read per request what their attention needs."""
-    context, rows = args.shared_context, []
-    for batch in args.shared_batches:
-        row = {"context": context, "batch": batch}
-        for method in ("full", "shadowkv"):
-            free_memory()
-            if method == "full":
-                runner, items = full_requests(loaded, full_backend, batch, context, gen, shared=True)
-            else:
-                runner, items = shadowkv_requests(loaded, skv_backend, batch, context, "random", gen, shared=True)
-            row[method] = best_rate(runner, items, args.steps)
-            del runner, items
-        row["gain"] = row["shadowkv"]["tok_per_s"] / row["full"]["tok_per_s"]
-        rows.append(row)
-        print(f"shared {context} b{batch}: full {row['full']['tok_per_s']:.1f}, shadowkv "
-              f"{row['shadowkv']['tok_per_s']:.1f} tok/s ({row['gain']:.2f}x)", flush=True)
-    result["shared_document"] = rows
-    free_memory()
+    loaded, gen = load(args)
+    row = {"context": args.shared_context, "batch": batch}
+    for method in ("full", "shadowkv"):
+        free_memory()
+        if method == "full":
+            runner, items = full_requests(loaded, full_backend(args), batch, args.shared_context, gen, shared=True)
+        else:
+            runner, items = shadowkv_requests(loaded, SKV_BACKEND, batch, args.shared_context, "random", gen, shared=True)
+        row[method] = best_rate(runner, items, args.steps)
+        del runner, items
+    row["gain"] = row["shadowkv"]["tok_per_s"] / row["full"]["tok_per_s"]
+    return row
 
 
 def equivalent_bandwidth(context, chunk, selected, outliers, hit_rate, b_gpu, b_pcie, landmark_bytes=1.0) -> float:
@@ -327,14 +326,15 @@ def equivalent_bandwidth(context, chunk, selected, outliers, hit_rate, b_gpu, b_
                                   + (1 - hit_rate) * selected * chunk * b_gpu / b_pcie)
 
 
-def calibrate_embedding_direction(loaded, embedding: SharedEmbeddingDirection, backend: str, context: int,
-                                  storage: str, args, gen) -> tuple[float, list[dict], float]:
+def calibrate_embedding_direction(args, context: int, storage: str) -> tuple[float, list[dict], float]:
     """The shared-direction ratio whose chunk-cache hit rate (two requests, low-rank keys, eager
     steps) is nearest the target, and every ratio tried: doubling from 1 until the target is
     reached, then halving the interval on a log scale (the rate grows with the ratio). Also the GPU
     bytes per request of those two (an upper bound: fixed costs are shared by more requests)."""
+    loaded, gen = load(args)
+    embedding = SharedEmbeddingDirection(loaded.model, gen)
     before = torch.cuda.memory_allocated() if CUDA else 0
-    runner, items = shadowkv_requests(loaded, backend, 2, context, "lowrank", gen, storage=storage)
+    runner, items = shadowkv_requests(loaded, SKV_BACKEND, 2, context, "lowrank", gen, storage=storage)
     gpu_bytes_per_request = ((torch.cuda.memory_allocated() if CUDA else 0) - before) / 2
     sweep = []
 
@@ -352,10 +352,103 @@ def calibrate_embedding_direction(loaded, embedding: SharedEmbeddingDirection, b
         for _ in range(args.calibration_halvings if low else 0):
             middle = math.sqrt(low * high)
             low, high = (low, middle) if reaches_target(middle) else (middle, high)
-    del runner, items
-    free_memory()
     best = min(sweep, key=lambda r: abs(r["chunk_cache_hit_rate"] - args.target_hit_rate))
     return best["ratio"], sweep, gpu_bytes_per_request
+
+
+# ---- one measurement per fresh process ----------------------------------------------------------------
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new (spawned) process: each measurement starts from an empty GPU and host heap.
+    In one long process, a large ShadowKV runner's pinned pools were not always returned before
+    the next one was built, and the machine killed the process for host memory."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def variant_name(workload: str, storage: str) -> str:
+    return f"{workload}/{'bf16' if storage == 'auto' else storage}"
+
+
+def load(args):
+    """The random-weight model (same seed in every process) and a seeded generator."""
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    context = max(args.contexts + [args.shared_context or 0]) + 512
+    return load_model(args.model_path, torch.bfloat16 if CUDA else torch.float32, DEV, context, args.tokenizer_path), gen
+
+
+def full_backend(args) -> str:
+    try:
+        import flashinfer  # noqa: F401
+        return args.full_backend or "flashinfer"
+    except ImportError:
+        return args.full_backend or ("triton" if CUDA else "torch")
+
+
+def describe_device(args) -> dict:
+    loaded, _ = load(args)
+    cfg = loaded.config
+    return {"device": torch.cuda.get_device_name() if CUDA else "cpu", "model_shape": {
+        "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "vocab": cfg.vocab_size}, "bandwidth": bandwidths()}
+
+
+def measure_full(args, context: int) -> dict:
+    """Full attention at batch 1 and at the largest batch whose KV fits; also the sizes the
+    ShadowKV runs derive their batches from."""
+    loaded, gen = load(args)
+    cfg, elem = loaded.config, 2 if CUDA else 4
+    free = torch.cuda.mem_get_info()[0] - ACTIVATION_RESERVE if CUDA else 2 * GiB
+    print(f"context {context}: {free / GiB:.1f} GiB free for KV", flush=True)
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.kv_dim * elem
+    full_batch = int(free // (context * kv_bytes_per_token))
+    out = {"rows": [], "breakdown": {}, "best": 0.0, "free_bytes": free,
+           "host_bytes_per_token": {"auto": cfg.num_layers * cfg.kv_dim * elem, "int8": cfg.num_layers * cfg.kv_dim}}
+    for batch in sorted({1, full_batch}) if full_batch >= 1 else []:
+        runner, items = full_requests(loaded, full_backend(args), batch, context, gen)
+        rate = best_rate(runner, items, args.steps)
+        out["rows"].append({"method": "full", "context": context, "batch": batch, "largest_batch": full_batch,
+                            "gpu_bytes_per_seq": context * kv_bytes_per_token, **rate})
+        if batch == full_batch:
+            out["breakdown"][f"full/{context}/b{batch}"] = breakdown(runner, items)
+        out["best"] = max(out["best"], rate["tok_per_s"])
+        del runner, items
+        free_memory()
+        print(f"full {context} b{batch}: {rate['tok_per_s']:.1f} tok/s ({rate['mode']})", flush=True)
+    return out
+
+
+def measure_shadowkv(args, context: int, workload: str, ratio: float, storage: str, largest: int,
+                     host_batch: int, bw: dict) -> dict | None:
+    """ShadowKV rows (calibrated: each batch up to `largest`; worst case: `largest` only) and the
+    breakdown at `largest`; None when `largest` requests do not fit."""
+    loaded, gen = load(args)
+    SharedEmbeddingDirection(loaded.model, gen).set(ratio)
+    keys, variant = ("lowrank" if workload == "calibrated" else "random"), variant_name(workload, storage)
+    before = torch.cuda.memory_allocated() if CUDA else 0
+    try:
+        runner, items = shadowkv_requests(loaded, SKV_BACKEND, largest, context, keys, gen, storage=storage)
+    except (torch.cuda.OutOfMemoryError, RuntimeError, MemoryError):  # GPU or page-locked memory ran out
+        return None
+    per_seq = ((torch.cuda.memory_allocated() if CUDA else 0) - before) / largest
+    batches = sorted({b for b in args.batches if b <= largest} | {largest}) if workload == "calibrated" else [largest]
+    rows = []
+    for batch in batches:
+        rate = best_rate(runner, items[:batch], args.steps)
+        rows.append({"method": "shadowkv", "workload": workload, "keys": keys, "embedding_ratio": ratio,
+                     "storage": storage, "context": context, "batch": batch, "largest_batch": largest,
+                     "host_limited_batch": host_batch, "gpu_bytes_per_seq": per_seq, **rate})
+        print(f"shadowkv[{variant}] {context} b{batch}: {rate['tok_per_s']:.1f} tok/s ({rate['mode']}), "
+              f"hit {rate['eager']['chunk_cache_hit_rate']:.2f}", flush=True)
+    bd = breakdown(runner, items)
+    scfg, pool, elem = runner.shadow_cfg, runner.shadow_pool, 2 if CUDA else 4
+    selected = scfg.budget_chunks(context // scfg.chunk_size - scfg.outliers)
+    bd["gather_vs_pcie"] = bd["gather_GBps"] and bd["gather_GBps"] / bw["pcie_pinned_h2d_GBps"]
+    bd["equivalent_bandwidth_TBps"] = equivalent_bandwidth(
+        context, scfg.chunk_size, selected, scfg.outliers, bd["chunk_cache_hit_rate"],
+        # int8 values: each PCIe byte carries elem / 1 values, as if the link were that much faster
+        bw["hbm_copy_GBps"], bw["pcie_pinned_h2d_GBps"] * elem / pool.host_elt,
+        pool.landmarks[0].element_size() / elem) / 1e3
+    return {"rows": rows, "breakdown": bd}
 
 
 def main() -> None:
@@ -384,25 +477,9 @@ def main() -> None:
                     help="interval halvings of the calibration search after the doubling phase")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "bench_throughput.json"))
     args = ap.parse_args()
-    try:
-        import flashinfer  # noqa: F401
-        full_backend = args.full_backend or "flashinfer"
-    except ImportError:
-        full_backend = args.full_backend or ("triton" if CUDA else "torch")
-    skv_backend = "triton" if CUDA else "torch"
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    loaded = load_model(args.model_path, torch.bfloat16 if CUDA else torch.float32, DEV, max(args.contexts + [args.shared_context or 0]) + 512,
-                        args.tokenizer_path)
-    cfg = loaded.config
-    result = {"device": torch.cuda.get_device_name() if CUDA else "cpu", "model": args.model_path, "model_shape": {
-        "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "vocab": cfg.vocab_size}, "full_backend": full_backend,
-        "shadowkv_backend": skv_backend, "bandwidth": bandwidths(), "target_hit_rate": args.target_hit_rate,
-        "gain": {}, "gain_worst_case": {}, "gain_by_variant": {}, "calibration": {}, "rows": [], "breakdown": {}}
-    elem = 2 if CUDA else 4
-    kv_bytes_per_token = 2 * cfg.num_layers * cfg.kv_dim * elem
-    host_bytes_per_token = {"auto": cfg.num_layers * cfg.kv_dim * elem, "int8": cfg.num_layers * cfg.kv_dim}
-    embedding = SharedEmbeddingDirection(loaded.model, gen)
+    result = {"model": args.model_path, "full_backend": full_backend(args), "shadowkv_backend": SKV_BACKEND,
+              **in_fresh_process(describe_device, args), "target_hit_rate": args.target_hit_rate,
+              "gain": {}, "gain_worst_case": {}, "gain_by_variant": {}, "calibration": {}, "rows": [], "breakdown": {}}
 
     def save():
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -410,91 +487,58 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
     for context in args.contexts:
-        free_memory()
-        free = torch.cuda.mem_get_info()[0] - ACTIVATION_RESERVE if CUDA else 2 * GiB
-        print(f"context {context}: {free / GiB:.1f} GiB free for KV", flush=True)
-        full_batch = int(free // (context * kv_bytes_per_token))
-        best_full = 0.0
-        for batch in sorted({1, full_batch}) if full_batch >= 1 else []:
-            runner, items = full_requests(loaded, full_backend, batch, context, gen)
-            rate = best_rate(runner, items, args.steps)
-            result["rows"].append({"method": "full", "context": context, "batch": batch, "largest_batch": full_batch,
-                                   "gpu_bytes_per_seq": context * kv_bytes_per_token, **rate})
-            if batch == full_batch:
-                result["breakdown"][f"full/{context}/b{batch}"] = breakdown(runner, items)
-            best_full = max(best_full, rate["tok_per_s"])
-            del runner, items
-            free_memory()
-            print(f"full {context} b{batch}: {rate['tok_per_s']:.1f} tok/s ({rate['mode']})", flush=True)
+        full = in_fresh_process(measure_full, args, context)
+        result["rows"] += full["rows"]
+        result["breakdown"].update(full["breakdown"])
         ratios, gpu_batch = {"worst case": 0.0}, max(args.batches)
         if "calibrated" in args.workloads:
-            ratios["calibrated"], sweep, per_request = calibrate_embedding_direction(
-                loaded, embedding, skv_backend, context, args.storage[-1], args, gen)
-            # first try a batch that fits the GPU by that bound (each failed try costs minutes)
-            gpu_batch = max(1, int(free // per_request)) if CUDA else gpu_batch
+            ratios["calibrated"], sweep, per_request = in_fresh_process(
+                calibrate_embedding_direction, args, context, args.storage[-1])
             result["calibration"][str(context)] = {"chosen_ratio": ratios["calibrated"], "sweep": sweep}
+            # first try a batch that fits the GPU by that bound (each failed try costs minutes)
+            gpu_batch = max(1, int(full["free_bytes"] // per_request)) if CUDA else gpu_batch
         for workload, storage in itertools.product(args.workloads, args.storage):
-            keys = "lowrank" if workload == "calibrated" else "random"
-            embedding.set(ratios[workload])
-            variant = f"{workload}/{'bf16' if storage == 'auto' else storage}"
-            host_batch = int(args.host_gib * GiB // (context * host_bytes_per_token[storage]))
-            largest = min(host_batch, max(args.batches), gpu_batch)
-            runner = None
-            while runner is None and largest >= 1:
-                before = torch.cuda.memory_allocated() if CUDA else 0
+            variant = variant_name(workload, storage)
+            host_batch = int(args.host_gib * GiB // (context * full["host_bytes_per_token"][storage]))
+            largest, measured = min(host_batch, max(args.batches), gpu_batch), None
+            while measured is None and largest >= 1:
                 try:
-                    runner, items = shadowkv_requests(loaded, skv_backend, largest, context, keys, gen, storage=storage)
-                except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # pinned or GPU memory ran out
-                    print(f"shadowkv[{variant}] {context} b{largest}: {type(exc).__name__}, trying fewer", flush=True)
+                    measured = in_fresh_process(measure_shadowkv, args, context, workload, ratios[workload], storage,
+                                                largest, host_batch, result["bandwidth"])
+                except BrokenProcessPool:  # killed for host memory
+                    measured = None
+                if measured is None:
+                    print(f"shadowkv[{variant}] {context} b{largest}: out of memory, trying fewer", flush=True)
                     largest -= max(1, largest // 8)
-                if runner is None:  # here, not in the handler: its traceback holds the half-built pools
-                    free_memory()
-            if runner is None:
+            if measured is None:
                 continue
-            per_seq = ((torch.cuda.memory_allocated() if CUDA else 0) - before) / largest
-            batches = sorted({b for b in args.batches if b <= largest} | {largest}) if workload == "calibrated" else [largest]
-            best = 0.0
-            for batch in batches:
-                rate = best_rate(runner, items[:batch], args.steps)
-                result["rows"].append({"method": "shadowkv", "workload": workload, "keys": keys,
-                                       "embedding_ratio": ratios[workload], "storage": storage, "context": context,
-                                       "batch": batch, "largest_batch": largest, "host_limited_batch": host_batch,
-                                       "gpu_bytes_per_seq": per_seq, **rate})
-                best = max(best, rate["tok_per_s"])
-                print(f"shadowkv[{variant}] {context} b{batch}: {rate['tok_per_s']:.1f} tok/s ({rate['mode']}), "
-                      f"hit {rate['eager']['chunk_cache_hit_rate']:.2f}", flush=True)
-            bd = breakdown(runner, items)
-            scfg, bw, pool = runner.shadow_cfg, result["bandwidth"], runner.shadow_pool
-            selected = scfg.budget_chunks(context // scfg.chunk_size - scfg.outliers)
-            bd["gather_vs_pcie"] = bd["gather_GBps"] and bd["gather_GBps"] / bw["pcie_pinned_h2d_GBps"]
-            bd["equivalent_bandwidth_TBps"] = equivalent_bandwidth(
-                context, scfg.chunk_size, selected, scfg.outliers, bd["chunk_cache_hit_rate"],
-                # int8 values: each PCIe byte carries elem / 1 values, as if the link were that much faster
-                bw["hbm_copy_GBps"], bw["pcie_pinned_h2d_GBps"] * elem / pool.host_elt,
-                pool.landmarks[0].element_size() / elem) / 1e3
-            result["breakdown"][f"shadowkv-{variant}/{context}/b{largest}"] = bd
-            if best_full:
+            result["rows"] += measured["rows"]
+            result["breakdown"][f"shadowkv-{variant}/{context}/b{largest}"] = measured["breakdown"]
+            if full["best"]:
+                best = max(r["tok_per_s"] for r in measured["rows"])
                 gain = result["gain" if workload == "calibrated" else "gain_worst_case"]
-                gain[str(context)] = max(gain.get(str(context), 0.0), best / best_full)
-                result["gain_by_variant"].setdefault(variant, {})[str(context)] = best / best_full
-            del runner, items
-            free_memory()
+                gain[str(context)] = max(gain.get(str(context), 0.0), best / full["best"])
+                result["gain_by_variant"].setdefault(variant, {})[str(context)] = best / full["best"]
             save()
         save()
 
     if args.shared_context:
-        embedding.set(0.0)  # i.i.d. embeddings, as the random keys there
-        shared_document(loaded, args, full_backend, skv_backend, gen, result)
+        result["shared_document"] = []
+        for batch in args.shared_batches:
+            row = in_fresh_process(measure_shared_document, args, batch)
+            result["shared_document"].append(row)
+            print(f"shared {row['context']} b{batch}: full {row['full']['tok_per_s']:.1f}, shadowkv "
+                  f"{row['shadowkv']['tok_per_s']:.1f} tok/s ({row['gain']:.2f}x)", flush=True)
         save()
 
-    print(f"\n{result['device']}: {args.model_path}, full attention via {full_backend}, ShadowKV via {skv_backend}; "
+    print(f"\n{result['device']}: {args.model_path}, full attention via {result['full_backend']}, ShadowKV via {SKV_BACKEND}; "
           f"HBM {result['bandwidth']['hbm_copy_GBps']:.0f} GB/s, PCIe {result['bandwidth']['pcie_pinned_h2d_GBps']:.1f} GB/s")
     print(f"{'method':>22} {'context':>7} {'batch':>5} {'eager tok/s':>11} {'graph tok/s':>11} {'hit':>5} {'GPU GB/seq':>10}")
     for r in result["rows"]:
         if "error" in r:
             print(f"{r['method']:>22} {r['context']:7d} {r['batch']:5d} error: {r['error'][:60]}")
             continue
-        name = r["method"] + (f"[{r['workload']}/{'bf16' if r['storage'] == 'auto' else r['storage']}]" if "workload" in r else "")
+        name = r["method"] + (f"[{variant_name(r['workload'], r['storage'])}]" if "workload" in r else "")
         graph = r.get("graph", {}).get("tok_per_s")
         print(f"{name:>22} {r['context']:7d} {r['batch']:5d} {r['eager']['tok_per_s']:11.1f} "
               f"{graph if graph is None else round(graph, 1)!s:>11} {r['eager'].get('chunk_cache_hit_rate', float('nan')):5.2f} "
