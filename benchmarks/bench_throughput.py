@@ -373,7 +373,9 @@ def load(args):
     """The random-weight model (same seed in every process) and a seeded generator."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     context = max(args.contexts + [args.shared_context or 0]) + 512
-    return load_model(args.model_path, torch.bfloat16 if CUDA else torch.float32, DEV, context, args.tokenizer_path), gen
+    loaded = load_model(args.model_path, torch.bfloat16 if CUDA else torch.float32, DEV, context, args.tokenizer_path)
+    free_memory()  # loading leaves cached blocks that would count as used in the free-memory sizing
+    return loaded, gen
 
 
 def full_backend(args) -> str:
