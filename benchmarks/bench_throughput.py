@@ -359,8 +359,9 @@ def calibrate_embedding_direction(args, context: int, storage: str) -> tuple[flo
 # ---- one measurement per fresh process ----------------------------------------------------------------
 def in_fresh_process(fn, *args):
     """fn(*args) in a new (spawned) process: each measurement starts from an empty GPU and host heap.
-    In one long process, a large ShadowKV runner's pinned pools were not always returned before
-    the next one was built, and the machine killed the process for host memory."""
+    In one long process, the int8 runners built after a bf16 one ran out of GPU memory at batches
+    that fit a fresh process, and the next try was killed for host memory: the earlier runner's
+    pools had not all been returned."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
 

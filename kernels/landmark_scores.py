@@ -71,7 +71,8 @@ def landmark_logits(q, landmarks, chunk_slots, selectable, sm_scale, scale=None,
     group = hq // hkv
     grid = (b, hkv, triton.cdiv(n, block_n))
     _landmark_logits_kernel[grid](
-        q, landmarks, chunk_slots, selectable, selectable if scale is None else scale, out, sm_scale, n,  # (unread if unscaled)
+        q, landmarks, chunk_slots, selectable,
+        selectable if scale is None else scale, out, sm_scale, n,  # (SCALE unread if unscaled)
         q.stride(0), q.stride(1), landmarks.stride(0), landmarks.stride(1), chunk_slots.stride(0),
         selectable.stride(0), 0 if scale is None else scale.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_N=block_n,

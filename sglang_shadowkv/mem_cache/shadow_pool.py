@@ -81,7 +81,8 @@ class ShadowKVPool:
         # position of each outlier block's first token (outliers differ per layer)
         self.outlier_pos = [torch.zeros(out_blocks, dtype=torch.int32, device=self.device)
                             for _ in range(num_layers)]
-        host_shape, host_dtype = (slots, num_kv_heads, chunk_size, head_dim), _storage_dtype("value_dtype", value_dtype, dtype)
+        host_shape = (slots, num_kv_heads, chunk_size, head_dim)
+        host_dtype = _storage_dtype("value_dtype", value_dtype, dtype)
         if pin:  # page-locked at the exact size; unpinned when the pool (its owners) goes
             self._host_owners = [PinnedHostTensor(host_shape, host_dtype) for _ in range(num_layers)]
             self.host_v = [owner.tensor for owner in self._host_owners]
