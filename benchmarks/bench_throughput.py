@@ -79,6 +79,11 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def gpu_allocated() -> int:
+    """Bytes the caching allocator has handed out (0 on a CPU)."""
+    return torch.cuda.memory_allocated() if CUDA else 0
+
+
 def bandwidths() -> dict:
     def timed(fn, reps=10):
         fn()
@@ -333,9 +338,9 @@ def calibrate_embedding_direction(args, context: int, storage: str) -> tuple[flo
     bytes per request of those two (an upper bound: fixed costs are shared by more requests)."""
     loaded, gen = load(args)
     embedding = SharedEmbeddingDirection(loaded.model, gen)
-    before = torch.cuda.memory_allocated() if CUDA else 0
+    before = gpu_allocated()
     runner, items = shadowkv_requests(loaded, SKV_BACKEND, 2, context, "lowrank", gen, storage=storage)
-    gpu_bytes_per_request = ((torch.cuda.memory_allocated() if CUDA else 0) - before) / 2
+    gpu_bytes_per_request = (gpu_allocated() - before) / 2
     sweep = []
 
     def reaches_target(ratio: float) -> bool:
@@ -427,12 +432,12 @@ def measure_shadowkv(args, context: int, workload: str, ratio: float, storage: s
     loaded, gen = load(args)
     SharedEmbeddingDirection(loaded.model, gen).set(ratio)
     keys, variant = ("lowrank" if workload == "calibrated" else "random"), variant_name(workload, storage)
-    before = torch.cuda.memory_allocated() if CUDA else 0
+    before = gpu_allocated()
     try:
         runner, items = shadowkv_requests(loaded, SKV_BACKEND, largest, context, keys, gen, storage=storage)
     except (torch.cuda.OutOfMemoryError, RuntimeError, MemoryError):  # GPU or page-locked memory ran out
         return None
-    per_seq = ((torch.cuda.memory_allocated() if CUDA else 0) - before) / largest
+    per_seq = (gpu_allocated() - before) / largest
     batches = sorted({b for b in args.batches if b <= largest} | {largest}) if workload == "calibrated" else [largest]
     rows = []
     for batch in batches:

@@ -14,7 +14,7 @@ import torch
 PAPER_RANK_PER_1024_KEY_DIMS = 160
 MIN_RANK = 16
 LOWRANK_METHODS = ("auto", "eigh", "subspace", "svd")
-STORAGE_DTYPES = ("auto", "int8")  # the model dtype, or int8 with a scale per chunk and KV head
+STORAGE_DTYPES = {"auto": None, "int8": torch.int8}  # None: the model dtype; int8: a scale per chunk and KV head
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ShadowKVConfig:
             raise bad("lowrank_method", f"one of {LOWRANK_METHODS}", self.lowrank_method)
         for name in ("value_dtype", "landmark_dtype"):
             if getattr(self, name) not in STORAGE_DTYPES:
-                raise bad(name, f"one of {STORAGE_DTYPES}", getattr(self, name))
+                raise bad(name, f"one of {tuple(STORAGE_DTYPES)}", getattr(self, name))
         if self.host_tokens is not None and (not isinstance(self.host_tokens, int) or self.host_tokens < 1):
             raise bad("host_tokens", "a positive int or None", self.host_tokens)
 
@@ -64,12 +64,12 @@ class ShadowKVConfig:
     @property
     def host_value_torch_dtype(self) -> torch.dtype | None:
         """dtype of the host value pool (None: the model's)."""
-        return torch.int8 if self.value_dtype == "int8" else None
+        return STORAGE_DTYPES[self.value_dtype]
 
     @property
     def landmark_torch_dtype(self) -> torch.dtype | None:
         """dtype of the landmark pool (None: the model's)."""
-        return torch.int8 if self.landmark_dtype == "int8" else None
+        return STORAGE_DTYPES[self.landmark_dtype]
 
     def max_rank(self, kv_dim: int) -> int:
         """Width of the low-rank pools: the fixed rank, or the cap of the energy rule."""

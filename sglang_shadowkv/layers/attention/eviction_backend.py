@@ -50,7 +50,8 @@ class SnapKVPolicy:
         q_win = q[-window:].float().transpose(0, 1)  # [Hq, w, D]
         keys = k_pool[slots[:prompt_len]].float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (q_win @ keys.transpose(1, 2)) * sm_scale  # [Hq, w, L]
-        visible = causal_mask(window, prompt_len, q.device)[None] & ~hidden[slots[:prompt_len]].T.repeat_interleave(group, dim=0)[:, None, :]
+        unhidden = ~hidden[slots[:prompt_len]].T.repeat_interleave(group, dim=0)  # [Hq, L]
+        visible = causal_mask(window, prompt_len, q.device)[None] & unhidden[:, None, :]
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).sum(1)  # [Hq, L]
         votes = probs.view(num_kv_heads, group, prompt_len).sum(1)[:, candidates]  # [Hkv, candidates]
         votes = F.max_pool1d(votes[None], SNAPKV_POOL_KERNEL, 1, SNAPKV_POOL_KERNEL // 2)[0]
