@@ -30,7 +30,7 @@ from kernels.gather_values import gather_values
 from kernels.ragged_paged_attention import ragged_paged_attention
 from kernels.rebuild_keys import rebuild_keys
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
-from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool
 from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
 from sglang_shadowkv.shadowkv.compress import compress_layer, low_rank_basis
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
@@ -176,10 +176,10 @@ def decode_layer(context: int, batches: list[int], steps: int, window: int) -> l
     for buf in (kv_pool.k_buffers[0], kv_pool.v_buffers[0]):
         for part in buf.split(1 << 20):
             part.normal_(generator=gen)
-    table = torch.zeros(max_b, context + window, dtype=torch.int32, device=DEV)
+    table = ReqToTokenPool(max_b, context + window, DEV)
     win_base = 1 + max_b * context // CHUNK
     for b in range(max_b):
-        table[b, context:] = (win_base * CHUNK + b * window + torch.arange(window, device=DEV)).int()
+        table.table[b, context:] = (win_base * CHUNK + b * window + torch.arange(window, device=DEV)).int()
     rows = []
     for batch in batches:
         reqs = [SparseRequest(b, decoder.alloc_row(), segment_layout(segs[b], CHUNK), context + window)

@@ -58,7 +58,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sglang_shadowkv.managers.cuda_graph import DecodeGraph  # noqa: E402
 from sglang_shadowkv.managers.model_runner import ModelRunner, StepItem  # noqa: E402
 from sglang_shadowkv.models.loader import load_model  # noqa: E402
 from sglang_shadowkv.server_args import ServerArgs  # noqa: E402
@@ -143,7 +142,7 @@ class SharedEmbeddingDirection:
 
 def runner_args(loaded, attention: str, backend: str, batch: int, pool_tokens: int, **extra) -> ServerArgs:
     return ServerArgs(model_path=loaded.model_path, attention=attention, attention_backend=backend, device=DEV.type,
-                      max_total_tokens=pool_tokens, max_running_requests=batch, **extra)
+                      max_total_tokens=pool_tokens, max_running_requests=batch, disable_cuda_graph=True, **extra)
 
 
 def give_pages(runner: ModelRunner, row: int, start: int, tokens: int) -> None:
@@ -221,9 +220,23 @@ def decode_rate(runner: ModelRunner, items: list[StepItem], steps: int, graph: b
         return runner.forward([dataclasses.replace(it, token_ids=[t]) for it, t in zip(items, tokens.tolist())])
 
     step, out = eager, {}
-    if graph:  # the eager reference first: an eager step re-plans the backend, which a graph must not see
+    if graph:  # the scheduler's path: the tokens on the device, the step replayed from fixed buffers
+        if not CUDA:
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        decode_items = [dataclasses.replace(it, token_ids=[]) for it in items]
+        rows = torch.tensor([it.pool_row for it in items], device=DEV)
         want = eager(stream[-1]).clone()
-        step = DecodeGraph(runner, items).replay  # raises on a CPU
+        if runner.graphs is None:
+            runner.init_decode_graphs(len(items), capture=True, only_for=decode_items)
+
+        def step(tokens):
+            runner.next_input[rows] = tokens
+            replays = runner.graphs.replays
+            logits = runner.forward(decode_items)
+            if runner.graphs.replays == replays:
+                raise RuntimeError("the batch did not fit the captured graph")
+            return logits
+
         got = step(stream[-1])
         out["graph_vs_eager_rel_err"] = float((got - want).norm() / want.norm())
     for ids in stream[:warmup]:

@@ -54,11 +54,17 @@ def forced_predictions(engine: Engine, ids: list[int], forced: list[int], sampli
     sched = engine.scheduler
     req = sched.add_request("forced", ids, SamplingParams.from_dict(sampling))
     preds: list[int] = []
-    while not req.finished:
-        for update in sched.step():
-            if update.req is req and update.new_ids:
-                preds.append(update.new_ids[0])
-                req.output_ids[-1] = forced[len(preds) - 1]
+    overlap, sched.overlap = sched.overlap, False  # each step's input must be the forced token
+    try:
+        while not req.finished:
+            for update in sched.step():
+                if update.req is req and update.new_ids:
+                    preds.append(update.new_ids[0])
+                    req.output_ids[-1] = forced[len(preds) - 1]
+                    if not req.finished:  # the next step's input, on the device
+                        sched.runner.next_input[req.pool_row] = req.output_ids[-1]
+    finally:
+        sched.overlap = overlap
     return preds
 
 
@@ -103,7 +109,7 @@ def layer_errors(engine: Engine, ids: list[int], configs: list[ShadowKVConfig]) 
                                  cfg.host_value_torch_dtype, cfg.landmark_torch_dtype)
             decoder = SparseDecoder(store, cfg, model.rotary, 1, n, runner.device.type == "cuda")
             seg = store.alloc_segment(0, span, cfg.num_outliers(n))
-            plan = decoder.plan_step(table.table, [SparseRequest(row, decoder.alloc_row(),
+            plan = decoder.plan_step(table, [SparseRequest(row, decoder.alloc_row(),
                                                                   segment_layout(seg, cfg.chunk_size), len(ids))])
             errors = []
             for layer in range(c.num_layers):

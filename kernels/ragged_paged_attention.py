@@ -4,6 +4,8 @@ Request i owns queries q[q_indptr[i]:q_indptr[i+1]] and keys/values at slots
 kv_indices[kv_indptr[i]:kv_indptr[i+1]]; its queries are the last q_len of its kv_len tokens, so
 query j sees keys 0 .. kv_len - q_len + j. One kernel covers a prefill chunk over a cached prefix,
 a decode step (q_len = 1) and a mix of both. GQA: query head h reads KV head h // (Hq // Hkv).
+With `lse` [T, Hq] float32 the log-sum-exp of each query head's scores is stored too, so that a
+partial attention (a suffix over its own tokens) can be merged with another over other keys.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import triton.language as tl
 
 
 def ragged_paged_attention_reference(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale,
-                                     hidden=None):
+                                     hidden=None, lse=None):
     """Plain torch (SDPA in float32): gather each request's keys and values, causal softmax.
 
     hidden: optional [num_slots, Hkv] bool, True where a KV head may not see a slot's key (the
@@ -30,7 +32,17 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, q_indptr, kv_indptr, kv_
         slots = kv_indices[ks:ke].long()
         out[qs:qe] = causal_attention(q[qs:qe], k_pool[slots], v_pool[slots], sm_scale,
                                       None if hidden is None else hidden[slots])
+        if lse is not None:
+            lse[qs:qe] = causal_logsumexp(q[qs:qe], k_pool[slots], sm_scale)
     return out
+
+
+def causal_logsumexp(q, k, sm_scale):
+    """[q_len, Hq] log-sum-exp of each query head's causal scores (q the last q_len of k's tokens)."""
+    group = q.shape[1] // k.shape[1]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(group, dim=1)) * sm_scale
+    scores = scores.masked_fill(~causal_mask(q.shape[0], k.shape[0], q.device)[None], float("-inf"))
+    return scores.logsumexp(-1).T
 
 
 def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -58,9 +70,10 @@ def causal_attention(q, k, v, sm_scale, hidden=None):
 
 @triton.jit
 def _ragged_attention_kernel(
-    Q, K, V, O, q_indptr, kv_indptr, kv_indices, sm_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    Q, K, V, O, LSE, q_indptr, kv_indptr, kv_indices, sm_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -102,10 +115,12 @@ def _ragged_attention_kernel(
         out = acc / l_i[:, None]
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=m_valid[:, None])
+        if STORE_LSE:
+            tl.store(LSE + (q_start + offs_m) * stride_lt + head, m_i + tl.log(l_i), mask=m_valid)
 
 
 def ragged_paged_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale,
-                           max_q_len: int | None = None):
+                           max_q_len: int | None = None, lse=None):
     """Triton version of `ragged_paged_attention_reference` (same arguments)."""
     num_tokens, num_heads, head_dim = q.shape
     if head_dim & (head_dim - 1):
@@ -119,10 +134,13 @@ def ragged_paged_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, s
     block_m = 16 if max_q_len <= 16 else 64
     block_n = 64 if head_dim <= 64 else 32
     grid = (batch, num_heads, triton.cdiv(max_q_len, block_m))
+    if lse is not None and (lse.shape != (num_tokens, num_heads) or lse.stride(1) != 1 or lse.dtype != torch.float32):
+        raise ValueError(f"lse must be a float32 [{num_tokens}, {num_heads}] tensor, contiguous over heads")
     _ragged_attention_kernel[grid](
-        q, k_pool, v_pool, out, q_indptr, kv_indptr, kv_indices, sm_scale,
+        q, k_pool, v_pool, out, out if lse is None else lse, q_indptr, kv_indptr, kv_indices, sm_scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
-        v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
+        v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
         GROUP=num_heads // k_pool.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        STORE_LSE=lse is not None,
     )
     return out

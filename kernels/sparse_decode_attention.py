@@ -5,7 +5,10 @@ Per request b and KV head h, the keys are:
   selected  scratch_k[scratch_rows[b], h, entries[b, h, j]]  (rebuilt/fetched chunks; -1 = none)
   window    k_pool[window_indices[window_indptr[b]:window_indptr[b+1]], h]  (dense recent tokens)
 and the values are laid out the same way. One softmax spans all three; each query head reads its
-KV head (GQA). One program per (request, KV head) serves all its query heads.
+KV head (GQA). One program per (request, KV head) serves all its query heads. With `lse` the
+log-sum-exp of each query head's scores is stored too (natural log; -inf and a zero output when
+nothing is attended), so partial attentions over disjoint key sets can be merged: a suffix prefill
+attends the compressed prefix this way, one query per "request", and its own tokens densely.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import triton.language as tl
 
 def sparse_decode_attention_reference(q, out_k, out_v, outlier_slots, scratch_k, scratch_v,
                                       scratch_rows, entries, k_pool, v_pool, window_indptr,
-                                      window_indices, sm_scale):
-    """q [B, Hq, D] -> [B, Hq, D]; float32 softmax over the gathered keys of each KV head."""
+                                      window_indices, sm_scale, lse=None):
+    """q [B, Hq, D] -> [B, Hq, D]; float32 softmax over the gathered keys of each KV head;
+    lse [B, Hq] float32, if given, receives each query head's log-sum-exp."""
     b_, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -35,8 +39,10 @@ def sparse_decode_attention_reference(q, out_k, out_v, outlier_slots, scratch_k,
             v = torch.cat([out_v[o_ids].reshape(-1, d), scratch_v[row, h, e_ids].reshape(-1, d),
                            v_pool[window, h]]).float()
             heads = slice(h * group, (h + 1) * group)
-            p = (q[b, heads].float() @ k.T * sm_scale).softmax(-1)
-            out[b, heads] = (p @ v).to(q.dtype)
+            scores = q[b, heads].float() @ k.T * sm_scale
+            out[b, heads] = (scores.softmax(-1) @ v).to(q.dtype) if k.shape[0] else 0
+            if lse is not None:
+                lse[b, heads] = scores.logsumexp(-1) if k.shape[0] else float("-inf")
     return out
 
 
@@ -56,12 +62,13 @@ def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale):
 
 @triton.jit
 def _sparse_decode_kernel(Q, OUT_K, OUT_V, OUTLIERS, SCR_K, SCR_V, ROWS, ENTRIES, K_POOL, V_POOL,
-                          W_INDPTR, W_INDICES, O_OUT, sm_scale, NUM_OUT, NUM_ENT,
+                          W_INDPTR, W_INDICES, O_OUT, LSE, sm_scale, NUM_OUT, NUM_ENT,
                           stride_qb, stride_qh, stride_oslot, stride_olb, stride_olh,
                           stride_sr, stride_sh, stride_se, stride_eb, stride_eh,
                           stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
                           GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          CHUNK: tl.constexpr, CHUNKS_PER_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+                          CHUNK: tl.constexpr, CHUNKS_PER_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+                          STORE_LSE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_g = tl.arange(0, GROUP_PAD)
@@ -107,13 +114,17 @@ def _sparse_decode_kernel(Q, OUT_K, OUT_V, OUTLIERS, SCR_K, SCR_V, ROWS, ENTRIES
         v = tl.load(V_POOL + slot[:, None] * stride_vt + h * stride_vh + offs_d[None, :],
                     mask=valid[:, None], other=0.0)
         m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale)
-    out = acc / l_i[:, None]
+    empty = l_i == 0.0  # nothing attended: a zero output, and -inf for merging
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
     tl.store(O_OUT + b * stride_ob + (h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
              out.to(O_OUT.dtype.element_ty), mask=g_valid[:, None])
+    if STORE_LSE:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        tl.store(LSE + b * GROUP * tl.num_programs(1) + h * GROUP + offs_g, lse, mask=g_valid)
 
 
 def sparse_decode_attention(q, out_k, out_v, outlier_slots, scratch_k, scratch_v, scratch_rows,
-                            entries, k_pool, v_pool, window_indptr, window_indices, sm_scale):
+                            entries, k_pool, v_pool, window_indptr, window_indices, sm_scale, lse=None):
     """Triton version of `sparse_decode_attention_reference` (same arguments)."""
     b, hq, d = q.shape
     hkv = k_pool.shape[1]
@@ -123,13 +134,16 @@ def sparse_decode_attention(q, out_k, out_v, outlier_slots, scratch_k, scratch_v
         return out
     if out_k.stride(1) != d or scratch_k.stride(3) != d or out_k.stride(2) != 1:
         raise ValueError("outlier and scratch chunks must be contiguous [c, D] blocks")
+    if lse is not None and (lse.shape != (b, hq) or not lse.is_contiguous() or lse.dtype != torch.float32):
+        raise ValueError(f"lse must be a contiguous float32 [{b}, {hq}] tensor")
     group = hq // hkv
     _sparse_decode_kernel[(b, hkv)](
         q, out_k, out_v, outlier_slots, scratch_k, scratch_v, scratch_rows, entries, k_pool, v_pool,
-        window_indptr, window_indices, out, sm_scale, outlier_slots.shape[2], entries.shape[2],
+        window_indptr, window_indices, out, out if lse is None else lse, sm_scale,  # (LSE unread without lse)
+        outlier_slots.shape[2], entries.shape[2],
         q.stride(0), q.stride(1), out_k.stride(0), outlier_slots.stride(0), outlier_slots.stride(1),
         scratch_k.stride(0), scratch_k.stride(1), scratch_k.stride(2), entries.stride(0), entries.stride(1),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, CHUNK=chunk,
-        CHUNKS_PER_BLOCK=max(1, 64 // chunk), BLOCK_W=32)
+        CHUNKS_PER_BLOCK=max(1, 64 // chunk), BLOCK_W=32, STORE_LSE=lse is not None)
     return out

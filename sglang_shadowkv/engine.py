@@ -69,6 +69,8 @@ class Engine:
                 if update.finished and id(update.req) in pending:
                     pending.discard(id(update.req))
                     bar.update(1)
+        while self.scheduler.pending is not None and not self.scheduler.running:
+            self.scheduler.step()  # the step launched before the last stop was seen: its tokens are dropped
         bar.close()
 
     def _normalize_prompts(self, prompt, input_ids) -> tuple[list[list[int]], bool]:

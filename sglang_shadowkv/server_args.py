@@ -32,6 +32,9 @@ class ServerArgs:
     mem_fraction_static: float = 0.85  # GPU: share of free memory after weights for the KV pool
     max_running_requests: int = 64
     chunked_prefill_size: int = 2048  # most prompt tokens one step prefills
+    disable_cuda_graph: bool = False  # GPU: run decode steps eagerly instead of replaying CUDA graphs
+    cuda_graph_max_bs: int | None = None  # largest decode batch captured as a graph (None: max_running_requests)
+    disable_overlap_schedule: bool = False  # wait for each step's tokens before scheduling the next
     random_seed: int = 0
     host: str = "127.0.0.1"
     port: int = 30000
@@ -78,6 +81,8 @@ class ServerArgs:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _positive(self, "page_size", "max_running_requests", "chunked_prefill_size")
+        if self.cuda_graph_max_bs is not None:
+            _positive(self, "cuda_graph_max_bs")
         if self.context_length is not None:
             _positive(self, "context_length")
         if self.max_total_tokens is not None:
@@ -122,6 +127,12 @@ class ServerArgs:
             "log_level": "debug, info, warning or error",
             "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
             "chunked_prefill_size": "most prompt tokens prefilled in one step",
+            "disable_cuda_graph": "GPU: run decode steps eagerly (by default they replay CUDA graphs "
+                                  "captured at startup per batch size)",
+            "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph; larger ones run eagerly "
+                                 "(default: --max-running-requests)",
+            "disable_overlap_schedule": "prepare each step only after the previous step's tokens are "
+                                        "back (by default the CPU schedules step N+1 while the GPU runs step N)",
             "shadowkv_rank": "low-rank key dims (default: 160 per 1024 key dims, the paper's ratio)",
             "shadowkv_rank_energy": "per layer, least rank keeping this energy fraction (capped by rank)",
             "shadowkv_chunk_size": "tokens per chunk: one landmark, one unit of selection",

@@ -30,10 +30,12 @@ def test_ragged_attention_matches_reference(group, head_dim):
     extra = [130, 41, 0, 2]
     case = _random_case(gen, group, head_dim, q_lens, extra)
     scale = head_dim ** -0.5
-    got = ragged_paged_attention(*case, scale)
-    want = ragged_paged_attention_reference(*case, scale)
+    lse_got, lse_want = (torch.full((sum(q_lens), 2 * group), float("nan"), device=DEVICE) for _ in range(2))
+    got = ragged_paged_attention(*case, scale, lse=lse_got)
+    want = ragged_paged_attention_reference(*case, scale, lse=lse_want)
     tol = 1e-4 if DEVICE == "cpu" else 2e-3  # GPU fp32 dots may use TF32
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse_got, lse_want, rtol=tol, atol=tol)
 
 
 def test_reference_is_causal_softmax():

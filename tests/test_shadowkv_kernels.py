@@ -128,8 +128,28 @@ def test_sparse_decode_attention(group, chunk_size, head_dim):
     rows = torch.tensor([2, 0, 3], dtype=torch.int32)
     args = [t.to(DEVICE) for t in (q, out_k, out_v, outliers, scratch_k, scratch_v, rows, ent.int(),
                                    k_pool, v_pool, indptr, window)] + [head_dim ** -0.5]
-    torch.testing.assert_close(sparse_decode_attention(*args), sparse_decode_attention_reference(*args),
-                               rtol=TOL, atol=TOL)
+    lse_got, lse_want = (torch.full((batch, hkv * group), float("nan"), device=DEVICE) for _ in range(2))
+    torch.testing.assert_close(sparse_decode_attention(*args, lse=lse_got),
+                               sparse_decode_attention_reference(*args, lse=lse_want), rtol=TOL, atol=TOL)
+    torch.testing.assert_close(lse_got, lse_want, rtol=TOL, atol=TOL)
+    assert lse_want.isfinite().all()
+
+
+def test_sparse_attention_of_nothing_is_zero_with_minus_infinite_lse():
+    """A query with no outlier, no selected chunk and no window (a part of a merged attention that
+    attends nothing) must merge as nothing: output 0, log-sum-exp -inf, never NaN."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 32, generator=gen)
+    blocks = torch.randn(3, 8, 32, generator=gen)
+    scratch = torch.randn(2, 2, 4, 8, 32, generator=gen)
+    pool = torch.randn(10, 2, 32, generator=gen)
+    none = torch.full((2, 2, 4), -1, dtype=torch.int32)
+    args = [t.to(DEVICE) for t in (q, blocks, blocks, none[:, :, :2], scratch, scratch, torch.tensor([0, 1]).int(),
+                                   none, pool, pool, torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))]
+    for fn in (sparse_decode_attention, sparse_decode_attention_reference):
+        lse = torch.zeros(2, 4, device=DEVICE)
+        out = fn(*args, 0.2, lse=lse)
+        assert (out == 0).all() and (lse == float("-inf")).all()
 
 
 @settings(max_examples=60, deadline=None)

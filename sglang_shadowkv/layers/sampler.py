@@ -18,15 +18,18 @@ class SamplingRow:
     generator: torch.Generator | None
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float]]:
-    """Returns each row's next token and its log-probability under the unmodified logits."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+def sample(logits: torch.Tensor, rows: list[SamplingRow], with_logprobs: bool = True
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's next token [B] and (with_logprobs) its log-probability under the unmodified
+    logits [B], both left on the logits' device: nothing here waits for the device."""
     if all(_is_plain_greedy(r) for r in rows):
         tokens = logits.argmax(-1)
     else:
         tokens = torch.stack([_sample_row(logits[i].float(), r) for i, r in enumerate(rows)])
-    picked = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    return tokens.tolist(), picked.tolist()
+    if not with_logprobs:
+        return tokens, None
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:

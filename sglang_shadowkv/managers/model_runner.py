@@ -11,12 +11,14 @@ from sglang_shadowkv.layers.attention import ForwardBatch, create_attention_back
 from sglang_shadowkv.layers.attention.eviction_backend import (
     EVICTION_POLICIES, EvictionAttentionBackend, make_eviction_policy)
 from sglang_shadowkv.layers.attention.shadowkv_backend import ShadowKVAttentionBackend
-from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
 from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
 from sglang_shadowkv.models.loader import LoadedModel, load_model
 from sglang_shadowkv.server_args import ServerArgs
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder
+
+from .cuda_graph import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -28,17 +30,30 @@ DEFAULT_HOST_TOKENS_PER_CONTEXT = 4  # ShadowKV pools: this many full context wi
 
 @dataclass
 class StepItem:
-    """One request's share of a step: compute `num_new` tokens starting at position `start`."""
+    """One request's share of a step: compute its new tokens starting at position `start`.
+
+    A prefill chunk brings its prompt tokens; a decode step's one token is the request's last
+    sampled token, which stays on the device (ModelRunner.next_input) so the step can be launched
+    before the previous step's tokens reach the host (overlap scheduling).
+    """
     pool_row: int
-    token_ids: list[int]
+    token_ids: list[int]  # prompt tokens of a prefill chunk ([] for a decode step)
     start: int
     shadow: object | None = None  # the request's ShadowReqState when attention="shadowkv"
     prompt_len: int | None = None  # the request's prompt length (None: not tracked)
     cached_len: int = 0  # prompt tokens the radix cache supplied (this request did not prefill them)
 
     @property
+    def is_decode(self) -> bool:
+        return not self.token_ids
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids) or 1
+
+    @property
     def seq_len(self) -> int:
-        return self.start + len(self.token_ids)
+        return self.start + self.num_new
 
 
 def resolve_device(args: ServerArgs) -> torch.device:
@@ -84,6 +99,8 @@ class ModelRunner:
         self.pool = PagedKVPool(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads,
                                 cfg.head_dim, self.dtype, self.device)
         self.req_to_token = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
+        # each request's last sampled token (by request-to-token row): its next decode step's input
+        self.next_input = torch.zeros(args.max_running_requests + 1, dtype=torch.long, device=self.device)
         if args.attention in EVICTION_POLICIES:  # per-head masks: only the torch reference path takes them
             self.backend_name = "torch"
             self.backend = EvictionAttentionBackend(self.pool, cfg.num_heads, cfg.head_dim,
@@ -96,6 +113,10 @@ class ModelRunner:
                                                     self.model.rotary, self.req_to_token, self.decoder)
         logger.info("KV pool: %d pages of %d tokens (%.1f MiB), backend %s", num_pages, page_size,
                     num_pages * page_size * bytes_per_token / 2**20, self.backend_name)
+        self.graphs: DecodeGraphRunner | None = None
+        self.eager_steps = 0
+        if self.device.type == "cuda" and not args.disable_cuda_graph:
+            self.init_decode_graphs(args.cuda_graph_max_bs or args.max_running_requests, capture=True)
 
     def _build_shadowkv(self, args: ServerArgs) -> None:
         cfg, skv = self.config, ShadowKVConfig.from_server_args(args)
@@ -116,26 +137,46 @@ class ModelRunner:
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free * args.mem_fraction_static) // bytes_per_token
 
+    def init_decode_graphs(self, max_bs: int, capture: bool, only_for: list[StepItem] | None = None) -> None:
+        """Decode steps of up to max_bs requests from fixed buffers: captured as CUDA graphs
+        (capture=True, a GPU), or run eagerly over the same buffers (tests on a CPU)."""
+        if not self.backend.supports_graphs:
+            logger.info("attention %s runs eagerly: no decode graphs", type(self.backend).__name__)
+            return
+        self.graphs = DecodeGraphRunner(self, min(max_bs, self.req_to_token.padding_row), capture, only_for)
+
     def build_batch(self, items: list[StepItem]) -> ForwardBatch:
         dev = self.device
-        table = self.req_to_token.table
-        q_lens = [len(it.token_ids) for it in items]
+        q_lens = [it.num_new for it in items]
         seq_lens = [it.seq_len for it in items]
+        rows = [it.pool_row for it in items]
         q_indptr = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         kv_indptr = torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        kv_indices = torch.cat([table[it.pool_row, :it.seq_len] for it in items])
-        out_cache_loc = torch.cat([table[it.pool_row, it.start:it.seq_len] for it in items]).long()
+        table = self.req_to_token
+        kv_indices = table.span_slots(rows, [0] * len(items), seq_lens)
+        out_cache_loc = table.span_slots(rows, [it.start for it in items], seq_lens).long()
         positions = torch.cat([torch.arange(it.start, it.seq_len) for it in items])
-        input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long)
+        input_ids = to_device(torch.tensor([t for it in items for t in (it.token_ids or [0])]), dev)
+        decode = [i for i, it in enumerate(items) if it.is_decode]
+        if decode:  # decode tokens: each request's last sampled token, already on the device
+            starts = q_indptr.tolist()  # a host tensor: no sync
+            at = to_device(torch.tensor([[starts[i] for i in decode], [rows[i] for i in decode]]), dev)
+            input_ids[at[0]] = self.next_input[at[1]]
         return ForwardBatch(
-            input_ids=input_ids.to(dev), positions=positions.to(dev), out_cache_loc=out_cache_loc,
-            q_indptr=q_indptr.to(dev), kv_indptr=kv_indptr.to(dev), kv_indices=kv_indices,
-            extend_lens=q_lens, seq_lens=seq_lens, pool_rows=[it.pool_row for it in items],
+            input_ids=input_ids, positions=to_device(positions, dev), out_cache_loc=out_cache_loc,
+            q_indptr=to_device(q_indptr, dev), kv_indptr=to_device(kv_indptr, dev), kv_indices=kv_indices,
+            extend_lens=q_lens, seq_lens=seq_lens, pool_rows=rows,
             shadow=[it.shadow for it in items], prompt_lens=[it.prompt_len for it in items],
             cached_lens=[it.cached_len for it in items])
 
     def forward(self, items: list[StepItem]) -> torch.Tensor:
-        """Run one step; logits [len(items), vocab] of each item's last token."""
+        """Run one step; logits [len(items), vocab] of each item's last token. A decode batch that
+        a captured graph holds replays it; anything else runs eagerly."""
+        if self.graphs is not None and all(it.is_decode for it in items):
+            logits = self.graphs.run(items)
+            if logits is not None:
+                return logits
         batch = self.build_batch(items)
         self.backend.begin_step(batch)
+        self.eager_steps += 1
         return self.model(batch, self.backend)

@@ -20,6 +20,7 @@ class Req:
     return_logprob: bool = False
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
+    num_sampled: int = 0  # tokens sampled so far, including one whose step is still on the device
     output_logprobs: list[float] = field(default_factory=list)
     # cache state
     pool_row: int | None = None
@@ -50,6 +51,13 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def pending_tokens(self) -> list[int]:
-        """Tokens whose K/V the next step must compute (a prompt chunk, or the last sampled token)."""
-        return self.all_ids[self.num_computed:]
+    @property
+    def may_sample(self) -> bool:
+        """Whether another token may be sampled (counting tokens still on the device)."""
+        return len(self.input_ids) + self.num_sampled < self.max_total_len
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its next sampling reads its output so far on the host (penalties), so the scheduler
+        must process the pending step before launching the next."""
+        return self.sampling.has_penalties

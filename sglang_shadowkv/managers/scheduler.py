@@ -1,16 +1,24 @@
-"""Continuous batching with chunked prefill over a paged pool and a radix prefix cache.
+"""Continuous batching with chunked prefill, and overlap scheduling.
 
 Each step mixes the running requests' decode tokens with prompt chunks (at most
-chunked_prefill_size prompt tokens per step) into one forward pass. A request is admitted only
-when the pool, counting what the radix cache could evict, can hold its prompt plus its full
-max_new_tokens: once running it never waits for memory and is never preempted. A finished or
-aborted request leaves its whole pages in the radix cache for later requests to reuse.
+chunked_prefill_size prompt tokens per step) into one forward pass; admission and pages are the
+CacheManager's. Pure decode steps replay CUDA graphs on a GPU (ModelRunner).
+
+Overlap: `step()` launches step N (forward and sampling queued on the device, its tokens copied
+back asynchronously) and only then processes step N-1's tokens (stop checks, streaming out,
+releases), so the CPU work of a step hides behind the GPU work of the next. What makes that
+possible: a decode step's input token is the request's last sampled token, read on the device
+(ModelRunner.next_input); everything that depends only on what was launched (positions, pages,
+prompt completion, ShadowKV's compressed layout) is booked at launch; only what depends on a
+token's value waits for it. A request whose output ends on a stop token is thus found one step
+late, after one more step that included it was launched; that step's token for it is dropped.
+Requests whose next sampling needs the host to have seen their last token (penalties over the
+output so far) make the scheduler process the pending step first.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -18,14 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from sglang_shadowkv.layers.sampler import SamplingRow, sample
-from sglang_shadowkv.mem_cache.kv_pool import PoolExhaustedError
-from sglang_shadowkv.mem_cache.radix_cache import RadixCache
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
+from .cache_manager import CacheManager
 from .model_runner import ModelRunner, StepItem
 from .request import Req
-from .shadowkv_manager import ShadowKVManager
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,20 @@ class ReqUpdate:
     finished: bool
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens have not been processed yet."""
+    sampled: list[Req]  # requests that get a token from this step, in the order of `tokens`
+    tokens: torch.Tensor  # [n] on the host, valid once `copied` has completed
+    logprobs: torch.Tensor | None
+    copied: torch.cuda.Event | None  # None on a CPU: the tensors are ready
+    prompts_done: list[Req]  # requests with max_new_tokens 0 whose prompt this step completed
+
+    def wait(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+
+
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunner | None = None):
         self.args = args
@@ -46,26 +66,21 @@ class Scheduler:
         self.tokenizer = self.runner.tokenizer
         self.page_size = args.page_size
         self.context_length = self.runner.context_length
-        self.tree = RadixCache(self.page_size, self._release_entries)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.reserved_pages = 0
         self.eos_ids = set(self.runner.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.vocab_size = self.runner.config.vocab_size
         self.sampling_device = self.runner.device
         self.default_generator = torch.Generator(device=self.sampling_device).manual_seed(args.random_seed)
-        self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0, "requests": 0}
+        self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0, "decode_steps": 0,
+                      "requests": 0}
         self.rejected: list[Req] = []  # dropped at admission; reported by the next step
-        self.shadow = (ShadowKVManager(self.runner, self.tree, self.page_size, self.stats)
-                       if self.runner.shadow_cfg is not None else None)
-
-    def _release_entries(self, entries: list) -> None:
-        if self.shadow is not None:
-            self.shadow.release_entries(entries)
-        else:
-            self.pool.free(entries)
+        self.cache = CacheManager(self.runner, self.page_size, self.stats)
+        self.tree, self.shadow = self.cache.tree, self.cache.shadow
+        self.overlap = not args.disable_overlap_schedule
+        self.pending: LaunchedStep | None = None
 
     # ---- submission ---------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
@@ -82,7 +97,7 @@ class Scheduler:
         if any(r.rid == rid for r in self.running) or any(r.rid == rid for r in self.waiting):
             raise ValueError(f"rid {rid!r} is already in use")
         max_total_len = min(len(input_ids) + sampling.max_new_tokens, self.context_length)
-        if self._pages_for(max_total_len) > self.pool.capacity:
+        if self.cache.pages_for(max_total_len) > self.pool.capacity:
             raise ValueError(
                 f"prompt plus max_new_tokens needs {max_total_len} KV tokens but the pool holds "
                 f"{self.pool.capacity * self.page_size}; lower max_new_tokens or raise max_total_tokens")
@@ -106,73 +121,135 @@ class Scheduler:
         for req in self.running:
             if req.rid == rid:
                 req.finish_reason = {"type": "abort", "message": "aborted"}
-                self._release(req)
+                self.cache.release(req)
                 self.running.remove(req)
                 return True
         return False
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.pending)
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[ReqUpdate]:
+        """Launch the next step, then process the one before it (see the module docstring)."""
         self._admit()
         updates = [ReqUpdate(req, [], True) for req in self.rejected]
         self.rejected.clear()
-        if not self.running:
-            return updates
+        if self.pending is not None and any(r.needs_host_tokens for r in self.running):
+            updates += self._process(self.pending)
+            self.pending = None
+        items, reqs = self._schedule()
+        launched = self._launch(items, reqs) if items else None
+        if self.pending is not None:
+            updates += self._process(self.pending)
+        self.pending = launched
+        if launched is not None and not self.overlap:
+            updates += self._process(launched)
+            self.pending = None
+        return updates
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.args.max_running_requests:
+            req = self.waiting[0]
+            admitted = self.cache.try_admit(req)
+            if not admitted:
+                if self.shadow is not None and not self.running and self.pending is None:
+                    # nothing running will free the compressed pools: this request can never start
+                    self.waiting.popleft()
+                    req.finish_reason = {"type": "abort", "message": "the ShadowKV pools are full"}
+                    self.rejected.append(req)
+                    continue
+                break  # wait for running requests to finish
+            self.waiting.popleft()
+            self.running.append(req)
+
+    def _schedule(self) -> tuple[list[StepItem], list[Req]]:
+        """The next step's work: one decode token per request that may still sample, and prompt
+        chunks within the prefill budget."""
         items, reqs, budget = [], [], self.args.chunked_prefill_size
         for req in self.running:
-            pending = req.pending_tokens()
-            if not req.prompt_done:
+            if req.prompt_done:
+                if not req.may_sample or req.finished:
+                    continue  # its last token is in flight (or it ended): nothing left to compute
+                tokens = []
+            else:
                 if budget <= 0:
                     continue
-                pending = pending[:budget]
-                budget -= len(pending)
-            self._ensure_pages(req, req.num_computed + len(pending))
+                tokens = req.input_ids[req.num_computed:req.num_computed + budget]
+                budget -= len(tokens)
+            item = StepItem(req.pool_row, tokens, req.num_computed, req.shadow, len(req.input_ids),
+                            req.cached_tokens)
+            self.cache.ensure_pages(req, item.seq_len)
             if req.shadow is not None and not req.prompt_done:
-                completes = req.num_computed + len(pending) >= len(req.input_ids)
+                completes = item.seq_len >= len(req.input_ids)
                 req.shadow.compress_now = completes and req.shadow.segment is not None
-            items.append(StepItem(req.pool_row, pending, req.num_computed, req.shadow,
-                                  len(req.input_ids), req.cached_tokens))
+            items.append(item)
             reqs.append(req)
-        prompt_was_done = [req.prompt_done for req in reqs]
+        return items, reqs
+
+    def _launch(self, items: list[StepItem], reqs: list[Req]) -> LaunchedStep:
+        """Queue the forward pass and the sampling; book what the step does to each request."""
         logits = self.runner.forward(items)
-        sampled_rows = []
+        sampled, rows, prompts_done = [], [], []
         for i, (req, item) in enumerate(zip(reqs, items)):
-            req.num_computed += len(item.token_ids)
-            if req.shadow is not None and req.prompt_done and not prompt_was_done[i]:
-                self.shadow.on_prompt_done(req)
-            if req.prompt_done:
-                if len(req.output_ids) == 0 and req.sampling.max_new_tokens == 0:
-                    req.finish_reason = {"type": "length", "length": 0}
-                else:
-                    sampled_rows.append(i)
-            self.stats["prefill_tokens" if len(req.output_ids) == 0 else "decode_tokens"] += len(item.token_ids)
-        if sampled_rows:
-            rows = [self._sampling_row(reqs[i]) for i in sampled_rows]
-            tokens, logprobs = sample(logits[sampled_rows], rows)
-            for i, token, logprob in zip(sampled_rows, tokens, logprobs):
-                req = reqs[i]
-                if req.first_token_time is None:
-                    req.first_token_time = time.monotonic()
-                req.output_ids.append(token)
-                req.output_logprobs.append(logprob)
-                self._check_finished(req)
-                updates.append(ReqUpdate(req, [token], req.finished))
-        for req in reqs:
+            was_prompt = not req.prompt_done
+            req.num_computed += item.num_new
+            self.stats["decode_tokens" if item.is_decode else "prefill_tokens"] += item.num_new
+            if was_prompt and req.prompt_done:
+                if req.shadow is not None:
+                    self.shadow.on_prompt_done(req)
+                if not req.may_sample:
+                    prompts_done.append(req)
+            if req.prompt_done and req.may_sample:
+                sampled.append(req)
+                rows.append(i)
+        self.stats["decode_steps"] += any(it.is_decode for it in items)
+        if not sampled:
+            return LaunchedStep([], torch.zeros(0, dtype=torch.long), None, None, prompts_done)
+        tokens, logprobs = sample(logits[rows], [self._sampling_row(r) for r in sampled],
+                                  with_logprobs=any(r.return_logprob for r in sampled))
+        table_rows = torch.tensor([r.pool_row for r in sampled], device=self.runner.device)
+        self.runner.next_input[table_rows] = tokens
+        for req in sampled:
+            req.num_sampled += 1
+        copied = None
+        if tokens.is_cuda:  # bring the tokens back without waiting for them here
+            tokens = tokens.to("cpu", non_blocking=True)
+            logprobs = None if logprobs is None else logprobs.to("cpu", non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return LaunchedStep(sampled, tokens, logprobs, copied, prompts_done)
+
+    def _process(self, step: LaunchedStep) -> list[ReqUpdate]:
+        """The host side of a finished step: append tokens, check stops, release what ended."""
+        step.wait()
+        tokens = step.tokens.tolist()
+        logprobs = [None] * len(tokens) if step.logprobs is None else step.logprobs.tolist()
+        updates = []
+        for req, token, logprob in zip(step.sampled, tokens, logprobs):
             if req.finished:
-                if not any(u.req is req for u in updates):
-                    updates.append(ReqUpdate(req, [], True))
-                self._release(req)
+                continue  # it ended (a stop token one step earlier, or an abort): the token is dropped
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            req.output_ids.append(token)
+            req.output_logprobs.append(logprob)
+            self._check_finished(req)
+            updates.append(ReqUpdate(req, [token], req.finished))
+        for req in step.prompts_done:
+            if not req.finished:
+                req.finish_reason = {"type": "length", "length": 0}
+                updates.append(ReqUpdate(req, [], True))
+        for update in updates:
+            if update.finished:
+                self.cache.release(update.req)
         self.running = [r for r in self.running if not r.finished]
         return updates
 
     def _sampling_row(self, req: Req) -> SamplingRow:
         sp = req.sampling
         banned = []
-        if len(req.output_ids) < sp.min_new_tokens:
+        if req.num_sampled < sp.min_new_tokens:
             banned = sorted((set() if sp.ignore_eos else self.eos_ids) | set(sp.stop_token_ids))
         return SamplingRow(sp, req.output_ids, banned, req.generator or self.default_generator)
 
@@ -191,86 +268,7 @@ class Scheduler:
         tail = self.tokenizer.decode(req.output_ids[-(longest + 1):])
         return next((s for s in req.sampling.stop if s in tail), None)
 
-    # ---- memory -------------------------------------------------------------------------------
-    def _pages_for(self, tokens: int) -> int:
-        return math.ceil(tokens / self.page_size)
-
-    def _available_pages(self) -> int:
-        return self.pool.num_free + self.tree.evictable_pages - self.reserved_pages
-
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.args.max_running_requests:
-            req = self.waiting[0]
-            # Leave at least one prompt token to compute: its logits give the first new token.
-            match = self.tree.match_prefix(req.input_ids[:len(req.input_ids) - 1])
-            self.tree.lock(match.node)
-            # matched compressed chunks need dense pages while the prompt is prefilled
-            need = self._pages_for(req.max_total_len) - sum(isinstance(e, int) for e in match.pages)
-            if need > self._available_pages() or self.runner.req_to_token.num_free == 0:
-                self.tree.unlock(match.node)
-                break  # add_request checked it fits an empty pool: wait for running requests
-            if self.shadow is not None:
-                req.shadow = self.shadow.plan(req, match.pages)
-                if req.shadow is False:
-                    req.shadow = None
-                    self.tree.unlock(match.node)
-                    if not self.running:  # nothing will free the compressed pools
-                        self.waiting.popleft()
-                        req.finish_reason = {"type": "abort", "message": "the ShadowKV pools are full"}
-                        self.rejected.append(req)
-                        continue
-                    break  # the compressed pools are full: wait for running requests to finish
-            self.waiting.popleft()
-            req.pool_row = self.runner.req_to_token.alloc()
-            req.last_node = match.node
-            req.pages = list(match.pages)
-            req.num_borrowed = match.num_pages
-            req.cached_tokens = req.num_computed = match.num_pages * self.page_size
-            if req.pages:  # compressed entries get their (temporary) pages in restore_matched
-                dense = [e if isinstance(e, int) else 0 for e in req.pages]
-                self.runner.req_to_token.write(req.pool_row, 0, self.pool.slots_of_pages(dense, req.num_computed))
-            req.reserved_pages = need
-            self.reserved_pages += need
-            if req.shadow is not None:
-                self.shadow.restore_matched(req)
-                req.reserved_pages -= len(req.temp_pages)
-                self.reserved_pages -= len(req.temp_pages)
-            self.stats["cached_tokens"] += req.cached_tokens
-            self.running.append(req)
-
-    def _ensure_pages(self, req: Req, num_tokens: int) -> None:
-        need = self._pages_for(num_tokens) - len(req.pages)
-        if need <= 0:
-            return
-        if self.pool.num_free < need:
-            self.tree.evict(need - self.pool.num_free)
-        pages = self.pool.alloc(need)
-        if pages is None:  # admission reserved these pages, so this is a bookkeeping bug
-            raise PoolExhaustedError(f"pool exhausted while extending request {req.rid}")
-        start = len(req.pages) * self.page_size
-        self.runner.req_to_token.write(req.pool_row, start, self.pool.slots_of_pages(pages, need * self.page_size))
-        req.pages.extend(pages)
-        take = min(need, req.reserved_pages)
-        req.reserved_pages -= take
-        self.reserved_pages -= take
-
-    def _release(self, req: Req) -> None:
-        """Hand the request's computed whole pages (dense or compressed) to the radix cache and
-        release the rest."""
-        if req.shadow is not None:
-            self.shadow.before_release(req)
-        whole = req.num_computed // self.page_size
-        tokens = req.all_ids[:whole * self.page_size]
-        present = self.tree.insert(tokens, req.pages[:whole])
-        duplicates = req.pages[req.num_borrowed:present]  # cached meanwhile by another request
-        self._release_entries(duplicates + req.pages[whole:])
-        self.tree.unlock(req.last_node)
-        self.runner.req_to_token.free(req.pool_row)
-        self.reserved_pages -= req.reserved_pages
-        req.reserved_pages = 0
-        req.pages = []
-        req.pool_row = None
-
+    # ---- info ---------------------------------------------------------------------------------
     def shadowkv_stats(self) -> dict | None:
         return None if self.shadow is None else self.shadow.server_stats(self.running)
 
@@ -289,22 +287,16 @@ class Scheduler:
             "memory": self.memory_stats(),
             "shadowkv": self.shadowkv_stats(),
             "stats": dict(self.stats),
+            "steps": {"overlap": self.overlap, "eager_steps": runner.eager_steps,
+                      "cuda_graph": None if runner.graphs is None else runner.graphs.stats()},
             "running_requests": len(self.running),
             "waiting_requests": len(self.waiting),
             "time": time.time(),
         }
 
     def memory_stats(self) -> dict:
-        running_pages = sum(sum(isinstance(e, int) for e in r.pages[r.num_borrowed:]) + len(r.temp_pages)
-                            for r in self.running)
-        return {
-            "page_size": self.page_size,
-            "total_pages": self.pool.capacity,
-            "free_pages": self.pool.num_free,
-            "tree_pages": self.tree.total_pages,
-            "evictable_pages": self.tree.evictable_pages,
-            "running_request_pages": running_pages,
-            "reserved_pages": self.reserved_pages,
-            "kv_bytes_per_token": self.pool.bytes_per_token,
-            "radix_nodes": self.tree.num_nodes(),
-        }
+        return self.cache.memory_stats(self.running)
+
+    @property
+    def reserved_pages(self) -> int:
+        return self.cache.reserved_pages

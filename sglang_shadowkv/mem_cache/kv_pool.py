@@ -67,10 +67,16 @@ class PagedKVPool:
 
 
 class ReqToTokenPool:
-    """Rows of token slots, one row per running request (the page table at token granularity)."""
+    """Rows of token slots, one row per running request (the page table at token granularity).
+
+    One extra row, `padding_row`, is never handed out: its slots are all 0 (page 0's first slot),
+    so a padded batch entry (a CUDA-graph batch filled up to its captured size) reads and writes
+    only the reserved page.
+    """
 
     def __init__(self, max_requests: int, max_context: int, device: torch.device | str):
-        self.table = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
+        self.table = torch.zeros((max_requests + 1, max_context), dtype=torch.int32, device=device)
+        self.padding_row = max_requests
         self._free = list(range(max_requests - 1, -1, -1))
 
     @property
@@ -85,3 +91,27 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start:start + slots.numel()] = slots.to(self.table.device, torch.int32)
+
+    def span_slots(self, rows: list[int], starts: list[int], ends: list[int]) -> torch.Tensor:
+        """Slots [sum(ends - starts)] int32 of tokens starts[i]..ends[i]-1 of each row, concatenated.
+
+        One gather on the device for the whole batch (the per-request slices it replaces cost a
+        kernel launch each), and no host sync: the output size is known here.
+        """
+        lens = [end - start for start, end in zip(starts, ends)]
+        total = sum(lens)
+        meta = to_device(torch.tensor([rows, starts, lens], dtype=torch.int64), self.table.device)
+        rows_t, starts_t, lens_t = meta
+        first = torch.cumsum(lens_t, 0) - lens_t  # where each span begins in the output
+        row_of = torch.repeat_interleave(rows_t, lens_t, output_size=total)
+        shift = torch.repeat_interleave(first - starts_t, lens_t, output_size=total)
+        column = torch.arange(total, device=self.table.device) - shift
+        return self.table[row_of, column]
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to the device without waiting for the device: through page-locked
+    memory on a GPU (torch's host allocator keeps the buffer until the copy has run)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)

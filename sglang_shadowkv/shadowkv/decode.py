@@ -17,7 +17,7 @@ from kernels import landmark_scores as ls
 from kernels import rebuild_keys as rk
 from kernels import sparse_decode_attention as sda
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
-from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
 from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
 
 from .chunk_cache import plan_chunk_cache
@@ -28,23 +28,30 @@ from .request_state import CompressedLayout, pad_outliers
 @dataclass
 class SparseRequest:
     table_row: int  # row of the request-to-token table (the dense tokens' slots)
-    scratch_row: int  # its chunk-cache scratch
-    layout: CompressedLayout  # its compressed chunks and dense spans
+    scratch_row: int | None  # its chunk-cache scratch (None: a dense request, nothing to select)
+    layout: CompressedLayout | None  # its compressed chunks and dense spans (None: all dense)
     seq_len: int  # tokens including this step's
+
+    def window_spans(self) -> list[tuple[int, int]]:
+        """Token spans attended densely: the dense spans of the prefix, then everything from the
+        end of the compressed part on (a dense request: its whole sequence)."""
+        if self.layout is None:
+            return [(0, self.seq_len)]
+        return [*self.layout.dense_spans, (self.layout.compressed_end, self.seq_len)]
 
 
 @dataclass
 class StepPlan:
     """Per-step tables shared by all layers."""
     rows: torch.Tensor  # [B] int32 scratch rows
-    chunk_slots: torch.Tensor  # [B, Nmax] int32, padded with slot 0 (never selectable)
-    outliers: torch.Tensor  # [B, Hkv, Omax] int32 outlier blocks, -1 padded
-    outlier_lo: torch.Tensor  # [B, Hkv, Omax] a block counts if its chunk starts in [lo, hi)
+    chunk_slots: torch.Tensor  # [B, N] int32, padded with slot 0 (never selectable)
+    outliers: torch.Tensor  # [B, Hkv, O] int32 outlier blocks, -1 padded
+    outlier_lo: torch.Tensor  # [B, Hkv, O] a block counts if its chunk starts in [lo, hi)
     outlier_hi: torch.Tensor
     budgets: torch.Tensor  # [B] chunks each KV head selects
-    top_k: int  # the largest budget
+    top_k: int  # the largest budget the plan's shapes allow
     window_indptr: torch.Tensor  # [B+1] int32
-    window_indices: torch.Tensor  # [sum] int32 dense pool slots
+    window_indices: torch.Tensor  # [>= sum] int32 dense pool slots
 
 
 class SparseDecoder:
@@ -52,19 +59,23 @@ class SparseDecoder:
                  max_rows: int, max_chunks: int, use_triton: bool):
         self.pool, self.cfg, self.rotary = pool, cfg, rotary
         self.use_triton = use_triton
-        self.max_entries = cfg.budget_chunks(max(1, max_chunks))
+        self.max_chunks = max(1, max_chunks)
+        self.max_entries = cfg.budget_chunks(self.max_chunks)
         h, c, d = pool.num_kv_heads, pool.chunk_size, pool.head_dim
-        shape = (max_rows, h, self.max_entries, c, d)
+        # one extra row: the scratch of dense and padded batch entries, which never select a chunk
+        self.dummy_row = max_rows
+        shape = (max_rows + 1, h, self.max_entries, c, d)
         gpu = dict(dtype=pool.dtype, device=pool.device)
         layers = len(pool.a_rows)
         self.scratch_k = [torch.zeros(shape, **gpu) for _ in range(layers)]
         self.scratch_v = [torch.zeros(shape, **gpu) for _ in range(layers)]
         self.held = [torch.full(shape[:3], -1, dtype=torch.int64, device=pool.device) for _ in range(layers)]
-        self.hits = torch.zeros(max_rows, 2, dtype=torch.int64, device=pool.device)  # hits, lookups
+        self.hits = torch.zeros(max_rows + 1, 2, dtype=torch.int64, device=pool.device)  # hits, lookups
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.copy_stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._plan_key: tuple | None = None
         self._plan_static: tuple | None = None
+        self.graph_plan: StepPlan | None = None  # static buffers of CUDA-graph steps (init_graph_state)
 
     @property
     def scratch_bytes_per_request(self) -> int:
@@ -93,62 +104,149 @@ class SparseDecoder:
         return hits, lookups
 
     # ---- per step ------------------------------------------------------------------------------
-    def plan_step(self, table: torch.Tensor, reqs: list[SparseRequest]) -> StepPlan:
+    def init_graph_state(self, max_bs: int, max_window_tokens: int, max_outliers: int) -> None:
+        """Fixed buffers that CUDA-graph steps read their plan from (written by plan_step(static=True))."""
+        dev, h = self.pool.device, self.pool.num_kv_heads
+
+        def ints(*shape, fill=0):
+            return torch.full(shape, fill, dtype=torch.int32, device=dev)
+
+        self.graph_plan = StepPlan(
+            rows=ints(max_bs, fill=self.dummy_row), chunk_slots=ints(max_bs, self.max_chunks),
+            outliers=ints(max_bs, h, max_outliers, fill=-1), outlier_lo=ints(max_bs, h, max_outliers),
+            outlier_hi=ints(max_bs, h, max_outliers), budgets=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            top_k=0, window_indptr=ints(max_bs + 1), window_indices=ints(max_window_tokens))
+
+    def graph_fits(self, reqs: list[SparseRequest], width: int) -> bool:
+        """Whether the graph buffers can hold this batch's plan with `width` chunk columns."""
+        plan = self.graph_plan
+        return (plan is not None and len(reqs) <= plan.rows.numel() and width <= self.max_chunks
+                and all(r.layout is None or (r.layout.num_chunks <= width
+                                             and r.layout.num_outliers <= plan.outliers.shape[2])
+                        for r in reqs)
+                and sum(b - a for r in reqs for a, b in r.window_spans()) <= plan.window_indices.numel())
+
+    def plan_step(self, table: ReqToTokenPool, reqs: list[SparseRequest], width: int | None = None,
+                  static: bool = False) -> StepPlan:
+        """The step's selection tables for a batch of requests (dense ones attend their window only).
+
+        width: chunk columns of the plan (default: the batch's most chunks); the budget shape top_k
+        follows from it. static: write into the CUDA-graph buffers, whose shapes a captured graph
+        has fixed (the caller pads the batch to a captured size and picks width from the captured
+        ones); otherwise fresh tensors. Only the windows change from step to step: the rest is
+        rebuilt when the set of requests changes (compared by row and layout identity).
+        """
         dev = self.pool.device
-        # The tables change only when the set of requests does (layouts compared by identity).
-        key = tuple((r.scratch_row, r.layout) for r in reqs)
-        if self._plan_key is None or len(key) != len(self._plan_key) or any(
-                row != old_row or lay is not old_lay for (row, lay), (old_row, old_lay) in zip(key, self._plan_key)):
-            layouts = [r.layout for r in reqs]
-            chunk_slots = pad_sequence([lay.chunk_slots for lay in layouts], batch_first=True).int()
-            outliers = pad_outliers(layouts)
-            budgets = [self.cfg.budget_chunks(lay.num_chunks - lay.num_outliers) for lay in layouts]
-            rows = torch.tensor([r.scratch_row for r in reqs], dtype=torch.int32, device=dev)
-            self._plan_static = (rows, chunk_slots, *outliers, torch.tensor(budgets, device=dev), max(budgets))
+        if width is None:
+            width = max([r.layout.num_chunks for r in reqs if r.layout is not None], default=1)
+        key = (static, width, *((r.scratch_row, r.layout) for r in reqs))
+        if self._plan_key is None or len(key) != len(self._plan_key) or key[:2] != self._plan_key[:2] or any(
+                row != old_row or lay is not old_lay for (row, lay), (old_row, old_lay) in zip(key[2:], self._plan_key[2:])):
+            self._plan_static = self._selection_tables(reqs, width, static)
             self._plan_key = key
         rows, chunk_slots, outliers, lo, hi, budgets, top_k = self._plan_static
-        spans = [[*r.layout.dense_spans, (r.layout.compressed_end, r.seq_len)] for r in reqs]
-        window_indices = torch.cat([table[r.table_row, a:b] for r, sp in zip(reqs, spans) for a, b in sp])
+        spans = [r.window_spans() for r in reqs]
+        flat = [(r.table_row, a, b) for r, sp in zip(reqs, spans) for a, b in sp]
+        window = table.span_slots(*map(list, zip(*flat)))
         lens = torch.tensor([sum(b - a for a, b in sp) for sp in spans])
-        window_indptr = torch.zeros(len(reqs) + 1, dtype=torch.int32)
-        window_indptr[1:] = lens.cumsum(0)
-        return StepPlan(rows, chunk_slots, outliers, lo, hi, budgets, top_k, window_indptr.to(dev), window_indices)
+        indptr = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+        indptr[1:] = lens.cumsum(0)
+        if static:
+            plan = self.graph_plan
+            plan.window_indptr[:len(reqs) + 1].copy_(to_device(indptr, dev), non_blocking=True)
+            plan.window_indices[:window.numel()].copy_(window)
+            window_indptr, window = plan.window_indptr[:len(reqs) + 1], plan.window_indices
+        else:
+            window_indptr = to_device(indptr, dev)
+        return StepPlan(rows, chunk_slots, outliers, lo, hi, budgets, top_k, window_indptr, window)
+
+    def _selection_tables(self, reqs: list[SparseRequest], width: int, static: bool) -> tuple:
+        dev, b = self.pool.device, len(reqs)
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        slots = pad_sequence([empty if r.layout is None else r.layout.chunk_slots for r in reqs]
+                             + [empty.new_zeros(width)], batch_first=True)[:b, :width].int()
+        outliers = pad_outliers([r.layout for r in reqs], self.pool.num_kv_heads, dev)
+        budget_list = [0 if r.layout is None else self.cfg.budget_chunks(r.layout.num_chunks - r.layout.num_outliers)
+                       for r in reqs]
+        budgets = torch.tensor(budget_list, device=dev)
+        rows = torch.tensor([self.dummy_row if r.scratch_row is None else r.scratch_row for r in reqs],
+                            dtype=torch.int32, device=dev)
+        if not static:
+            return rows, slots, *outliers, budgets, max(budget_list, default=0)
+        plan = self.graph_plan
+        width_o = plan.outliers.shape[2]
+        plan.rows[:b].copy_(rows)
+        plan.chunk_slots[:b, :width].copy_(slots)
+        for dst, src, fill in zip((plan.outliers, plan.outlier_lo, plan.outlier_hi), outliers, (-1, 0, 0)):
+            dst[:b].fill_(fill)
+            dst[:b, :, :src.shape[2]].copy_(src)
+        plan.budgets[:b].copy_(budgets)
+        return (plan.rows[:b], plan.chunk_slots[:b, :width], plan.outliers[:b, :, :width_o],
+                plan.outlier_lo[:b, :, :width_o], plan.outlier_hi[:b, :, :width_o], plan.budgets[:b],
+                self.cfg.budget_chunks(width))
 
     def attend(self, q: torch.Tensor, layer: int, plan: StepPlan, kv_pool: PagedKVPool) -> torch.Tensor:
         """q [B, Hq, D] (one decode token per request) -> attention output [B, Hq, D]; the dense
         window is read from kv_pool."""
-        pool, b = self.pool, q.shape[0]
-        h, k_max = pool.num_kv_heads, self.max_entries
-        sm_scale = q.shape[-1] ** -0.5
-        logits_fn = ls.landmark_logits if self.use_triton else ls.landmark_logits_reference
-        logits = logits_fn(q, pool.landmarks[layer], plan.chunk_slots, pool.selectable[layer], sm_scale,
-                           None if pool.landmark_scale is None else pool.landmark_scale[layer])
-        logits = logits.view(b, h, -1, logits.shape[-1])
+        b, h = q.shape[0], self.pool.num_kv_heads
+        logits = self.landmark_logits(q, layer, plan.chunk_slots).view(b, h, -1, plan.chunk_slots.shape[1])
         scores = logits.softmax(-1).amax(2).masked_fill(logits[:, :, 0].isinf(), -1.0)
-        top = scores.topk(plan.top_k, dim=-1).indices  # [B, H, k]
-        selected = plan.chunk_slots.long().gather(1, top.view(b, -1)).view(b, h, -1)
-        in_budget = torch.arange(plan.top_k, device=q.device) < plan.budgets[:, None, None]
+        selected = self.select(scores, plan.chunk_slots, plan.budgets, plan.top_k)
+        entries = self.fetch_selected(layer, plan.rows, selected, count_hits=True)
+        outliers = self.live_outliers(layer, plan.outliers, plan.outlier_lo, plan.outlier_hi)
+        return self.attend_selected(q, layer, outliers, plan.rows, entries, plan.window_indptr,
+                                    plan.window_indices, kv_pool)
+
+    # ---- the parts of a step (shared with the suffix prefill) -----------------------------------
+    def landmark_logits(self, q: torch.Tensor, layer: int, chunk_slots: torch.Tensor) -> torch.Tensor:
+        """[B, Hq, N] float32 q · landmark of each request's chunks (-inf where not selectable)."""
+        pool = self.pool
+        logits_fn = ls.landmark_logits if self.use_triton else ls.landmark_logits_reference
+        return logits_fn(q, pool.landmarks[layer], chunk_slots, pool.selectable[layer], q.shape[-1] ** -0.5,
+                         None if pool.landmark_scale is None else pool.landmark_scale[layer])
+
+    def select(self, scores: torch.Tensor, chunk_slots: torch.Tensor, budgets: torch.Tensor,
+               top_k: int) -> torch.Tensor:
+        """scores [R, Hkv, N] (-1 where not selectable) -> the chunk slots [R, Hkv, max_entries] each KV
+        head attends (its budget's best; -1 padded)."""
+        r, h = scores.shape[:2]
+        top = scores.topk(top_k, dim=-1).indices  # [R, H, k]
+        selected = chunk_slots.long().gather(1, top.view(r, -1)).view(r, h, -1)
+        in_budget = torch.arange(top_k, device=scores.device) < budgets[:, None, None]
         selected = torch.where(in_budget, selected, -1)
-        selected = torch.nn.functional.pad(selected, (0, k_max - plan.top_k), value=-1)
+        return torch.nn.functional.pad(selected, (0, self.max_entries - top_k), value=-1)
 
-        rows = plan.rows.long()
-        jobs, entries, new_held = plan_chunk_cache(self.held[layer][rows].view(b * h, k_max),
-                                                   selected.view(b * h, k_max))
-        self.held[layer][rows] = new_held.view(b, h, k_max)
-        jobs, entries = jobs.view(b, h, k_max), entries.view(b, h, k_max)
-        lookups = (entries >= 0).sum((1, 2))
-        self.hits.index_add_(0, rows, torch.stack([lookups - (jobs >= 0).sum((1, 2)), lookups], 1))
-        self._fetch(jobs, layer, plan.rows)
+    def fetch_selected(self, layer: int, rows: torch.Tensor, selected: torch.Tensor,
+                       count_hits: bool = False) -> torch.Tensor:
+        """Bring the selected chunks [R, Hkv, K] into the scratch rows [R] (int32; only chunks not
+        already there move) and return the scratch entry of each [R, Hkv, K] (-1 for padding)."""
+        r, h, k = selected.shape
+        long_rows = rows.long()
+        jobs, entries, new_held = plan_chunk_cache(self.held[layer][long_rows].view(r * h, k),
+                                                   selected.view(r * h, k))
+        self.held[layer][long_rows] = new_held.view(r, h, k)
+        jobs, entries = jobs.view(r, h, k), entries.view(r, h, k)
+        if count_hits:
+            lookups = (entries >= 0).sum((1, 2))
+            self.hits.index_add_(0, long_rows, torch.stack([lookups - (jobs >= 0).sum((1, 2)), lookups], 1))
+        self._fetch(jobs, layer, rows)
+        return entries
 
-        # Outlier chunks differ per layer: keep those inside the part of the segment this prefix holds.
-        pos = pool.outlier_pos[layer][plan.outliers.clamp(min=0).long()]
-        outliers = torch.where((plan.outliers >= 0) & (pos >= plan.outlier_lo) & (pos < plan.outlier_hi),
-                               plan.outliers, -1)
+    def live_outliers(self, layer: int, outliers: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """Outlier chunks differ per layer: keep those inside the part of the segment a prefix holds."""
+        pos = self.pool.outlier_pos[layer][outliers.clamp(min=0).long()]
+        return torch.where((outliers >= 0) & (pos >= lo) & (pos < hi), outliers, -1)
+
+    def attend_selected(self, q: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,
+                        entries: torch.Tensor, window_indptr: torch.Tensor, window_indices: torch.Tensor,
+                        kv_pool: PagedKVPool, lse: torch.Tensor | None = None) -> torch.Tensor:
+        """Exact attention of q [B, Hq, D] over its outliers, scratch entries and dense window."""
+        pool = self.pool
         attend_fn = sda.sparse_decode_attention if self.use_triton else sda.sparse_decode_attention_reference
         return attend_fn(q, pool.outlier_k[layer], pool.outlier_v[layer], outliers,
-                         self.scratch_k[layer], self.scratch_v[layer], plan.rows, entries.int(),
+                         self.scratch_k[layer], self.scratch_v[layer], rows, entries.int(),
                          kv_pool.k_buffers[layer], kv_pool.v_buffers[layer],
-                         plan.window_indptr, plan.window_indices, sm_scale)
+                         window_indptr, window_indices, q.shape[-1] ** -0.5, lse=lse)
 
     def _fetch(self, jobs: torch.Tensor, layer: int, rows: torch.Tensor) -> None:
         """Rebuild the missed keys and gather their values, on two streams when on a GPU."""

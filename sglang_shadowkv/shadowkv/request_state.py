@@ -71,10 +71,14 @@ def segment_layout(seg: Segment, chunk_size: int) -> CompressedLayout:
     return build_layout(entries, chunk_size)
 
 
-def pad_outliers(layouts: list[CompressedLayout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B, Hkv, Omax] outlier blocks (-1 padded) and their position bounds."""
+def pad_outliers(layouts: list[CompressedLayout | None], num_kv_heads: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, Hkv, Omax] outlier blocks (-1 padded; none for a dense request's None) and their
+    position bounds."""
+    none = torch.zeros(0, num_kv_heads, dtype=torch.int32, device=device)
+
     def pad(name: str, value: int) -> torch.Tensor:
-        rows = [getattr(lay, name).T for lay in layouts]
+        rows = [none if lay is None else getattr(lay, name).T for lay in layouts]
         return pad_sequence(rows, batch_first=True, padding_value=value).permute(0, 2, 1).contiguous()
 
     return pad("outlier_blocks", -1), pad("outlier_lo", 0), pad("outlier_hi", 0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
 
 
 @dataclass
@@ -24,8 +24,10 @@ class ForwardBatch:
     positions: torch.Tensor  # [T]
     out_cache_loc: torch.Tensor  # [T] pool slots receiving the new tokens' K/V
     q_indptr: torch.Tensor  # [B+1] int32, new tokens per request
-    kv_indptr: torch.Tensor  # [B+1] int32, cached + new tokens per request
-    kv_indices: torch.Tensor  # [sum kv] int32 slots, each request's tokens in order
+    # [B+1] int32 cached + new tokens per request, and [sum kv] int32 slots of each request's tokens
+    # in order (None in a graph step until the backend's begin_graph_step fills what it reads)
+    kv_indptr: torch.Tensor | None
+    kv_indices: torch.Tensor | None
     extend_lens: list[int]
     seq_lens: list[int]
     pool_rows: list[int] | None = None  # each request's row of the request-to-token table
@@ -41,8 +43,10 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.extend_lens)
 
-    def page_table(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's KV as pages (FlashInfer's layout): page_indptr [B+1], page_ids, last_page_len.
+    def page_table(self, page_size: int, device: torch.device | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's KV as pages (FlashInfer's layout): page_indptr [B+1] and last_page_len [B]
+        on the host, page_ids on the device.
 
         A request's token i lives on its page i // page_size at offset i % page_size, so its page
         ids are the slots of every page_size-th token divided by page_size.
@@ -51,9 +55,10 @@ class ForwardBatch:
         pages = (seq_lens + page_size - 1) // page_size
         page_indptr = torch.zeros(len(self.seq_lens) + 1, dtype=torch.int32)
         page_indptr[1:] = pages.cumsum(0)
-        starts = torch.repeat_interleave(self.kv_indptr[:-1].long().cpu(), pages)
+        kv_starts = torch.cumsum(seq_lens, 0) - seq_lens  # the host's copy of kv_indptr
+        starts = torch.repeat_interleave(kv_starts, pages)
         within = torch.arange(int(pages.sum())) - torch.repeat_interleave(page_indptr[:-1].long(), pages)
-        first_slots = (starts + within * page_size).to(self.kv_indices.device)
+        first_slots = to_device(starts + within * page_size, self.kv_indices.device)
         page_ids = (self.kv_indices.long()[first_slots] // page_size).int()
         last_page_len = (seq_lens - (pages - 1) * page_size).int()
         return page_indptr, page_ids, last_page_len
@@ -89,6 +94,17 @@ class ForwardBatch:
 
 
 class AttentionBackend(ABC):
+    """Per step: `begin_step` plans (once for all layers), then `forward` per layer.
+
+    Decode steps can also run from fixed buffers, so that a CUDA graph captured once replays them
+    (SGLang's init_forward_metadata_capture/replay_cuda_graph): `init_graph_state` allocates the
+    buffers, `begin_graph_step` writes a step's metadata into them for a batch padded to a
+    captured size, and `attend` then reads only those buffers. `graph_variants` lists what, beside
+    the batch size, fixes a graph's shapes (one graph per batch size and variant).
+    """
+
+    supports_graphs = True
+
     def __init__(self, pool: PagedKVPool, num_heads: int, head_dim: int):
         self.pool = pool
         self.num_heads = num_heads
@@ -97,6 +113,40 @@ class AttentionBackend(ABC):
 
     def begin_step(self, batch: ForwardBatch) -> None:
         """Per-step planning shared by all layers (index building, kernel plans)."""
+
+    def init_graph_state(self, max_bs: int, max_kv_tokens: int, req_to_token: ReqToTokenPool) -> None:
+        """Fixed metadata buffers for decode batches of up to max_bs requests holding up to
+        max_kv_tokens tokens in all (their slots are read from req_to_token's rows)."""
+        dev = self.pool.device
+        self._req_to_token = req_to_token
+        self._graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        self._graph_kv_indices = torch.zeros(max_kv_tokens, dtype=torch.int32, device=dev)
+
+    def graph_variants(self) -> list:
+        """The shape variants to capture per batch size."""
+        return [None]
+
+    def graph_variant(self, batch: ForwardBatch):
+        """The captured variant a padded decode batch replays with (NO_GRAPH: run it eagerly)."""
+        return None if sum(batch.seq_lens) <= self._graph_kv_indices.numel() else NO_GRAPH
+
+    def begin_graph_step(self, batch: ForwardBatch, variant) -> None:
+        """Write a padded decode batch's metadata into the fixed buffers and point the batch at
+        them (default: the ragged kv_indptr / kv_indices the dense kernels read)."""
+        self.fill_graph_kv(batch)
+        self.begin_step(batch)
+
+    def fill_graph_kv(self, batch: ForwardBatch) -> None:
+        """batch.kv_indptr / kv_indices: every token's slot, in the fixed buffers."""
+        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
+        indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+        indptr[1:] = seq_lens.cumsum(0)
+        total = int(indptr[-1])
+        self._graph_kv_indptr[:len(indptr)].copy_(to_device(indptr, self.pool.device), non_blocking=True)
+        self._graph_kv_indices[:total].copy_(
+            self._req_to_token.span_slots(batch.pool_rows, [0] * len(seq_lens), batch.seq_lens))
+        batch.kv_indptr = self._graph_kv_indptr[:len(indptr)]
+        batch.kv_indices = self._graph_kv_indices
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -107,3 +157,6 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         ...
+
+
+NO_GRAPH = object()  # graph_variant's answer for a batch the captured graphs cannot hold

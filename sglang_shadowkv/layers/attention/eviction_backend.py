@@ -67,6 +67,8 @@ def make_eviction_policy(args):
 
 
 class EvictionAttentionBackend(AttentionBackend):
+    supports_graphs = False  # its per-slot masks are updated by host-side policies after each layer
+
     def __init__(self, pool, num_heads: int, head_dim: int, policy):
         super().__init__(pool, num_heads, head_dim)
         self.policy = policy

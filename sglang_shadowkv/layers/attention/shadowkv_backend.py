@@ -20,7 +20,10 @@ from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
 from sglang_shadowkv.shadowkv.restore import restore_chunks
 
-from .base import AttentionBackend, ForwardBatch
+from .base import NO_GRAPH, AttentionBackend, ForwardBatch
+
+MIN_GRAPH_CHUNK_COLUMNS = 256
+GRAPH_OUTLIER_SEGMENTS = 2  # a decode graph holds the outliers of this many segments per request
 
 
 class ShadowKVAttentionBackend(AttentionBackend):
@@ -47,19 +50,55 @@ class ShadowKVAttentionBackend(AttentionBackend):
         self.sparse_rows = self.plan = None
         if sparse:
             self.sparse_rows = batch.q_indptr[sparse].long()  # each request's only token
-            self.plan = self.decoder.plan_step(self.req_to_token.table, [
-                SparseRequest(batch.pool_rows[i], shadow[i].scratch_row, shadow[i].layout, batch.seq_lens[i])
-                for i in sparse])
+            self.plan = self.decoder.plan_step(self.req_to_token, [self._sparse_request(batch, i) for i in sparse])
         self.to_compress = [(batch.pool_rows[i], st) for i, st in enumerate(shadow)
                             if st is not None and st.compress_now]
+
+    @staticmethod
+    def _sparse_request(batch: ForwardBatch, i: int) -> SparseRequest:
+        st = batch.shadow[i] if batch.shadow else None
+        if st is None or st.layout is None:  # a dense request: its whole sequence is its window
+            return SparseRequest(batch.pool_rows[i], None, None, batch.seq_lens[i])
+        return SparseRequest(batch.pool_rows[i], st.scratch_row, st.layout, batch.seq_lens[i])
+
+    # ---- CUDA-graph decode steps: every request through the sparse decoder -------------------------
+    def init_graph_state(self, max_bs, max_kv_tokens, req_to_token):
+        """A dense request in a decode graph attends its whole sequence as its window, so one graph
+        serves compressed, dense and mixed batches. Graph shapes depend on the chunk columns of
+        the plan, so graphs are captured per power-of-two column count (a batch replays the
+        smallest that holds its longest compressed prefix; the softmax and top-k scale with it)."""
+        self.decoder.init_graph_state(max_bs, max_kv_tokens, GRAPH_OUTLIER_SEGMENTS * self.cfg.outliers)
+        widths, w = [], MIN_GRAPH_CHUNK_COLUMNS
+        while w < self.decoder.max_chunks:
+            widths.append(w)
+            w *= 2
+        self._graph_widths = widths + [self.decoder.max_chunks]
+
+    def graph_variants(self) -> list:
+        return self._graph_widths
+
+    def graph_variant(self, batch: ForwardBatch):
+        reqs = [self._sparse_request(batch, i) for i in range(batch.batch_size)]
+        need = max((r.layout.num_chunks for r in reqs if r.layout is not None), default=0)
+        width = next((w for w in self._graph_widths if w >= need), None)
+        if width is None or not self.decoder.graph_fits(reqs, width):
+            return NO_GRAPH
+        return width
+
+    def begin_graph_step(self, batch: ForwardBatch, variant) -> None:
+        reqs = [self._sparse_request(batch, i) for i in range(batch.batch_size)]
+        self.plan = self.decoder.plan_step(self.req_to_token, reqs, width=variant, static=True)
+        self.dense_batch = self.dense_rows = self.sparse_rows = None
+        self.to_compress = []
 
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         if self.plan is None:
             out = self.dense.attend(q, layer, self.dense_batch)
+        elif self.dense_batch is None:  # every row decodes sparsely
+            out = self.decoder.attend(q, layer, self.plan, self.pool)
         else:
             out = torch.empty_like(q)
-            if self.dense_batch is not None:
-                out[self.dense_rows] = self.dense.attend(q[self.dense_rows], layer, self.dense_batch)
+            out[self.dense_rows] = self.dense.attend(q[self.dense_rows], layer, self.dense_batch)
             out[self.sparse_rows] = self.decoder.attend(q[self.sparse_rows], layer, self.plan, self.pool)
         for row, st in self.to_compress:
             self._compress_layer(row, st.segment, layer)

@@ -1,0 +1,129 @@
+"""Pages of running requests and of the radix cache: admission, growth, release.
+
+A request is admitted only when the pool, counting what the radix cache could evict, can hold its
+prompt plus its full max_new_tokens: once running it never waits for memory and is never
+preempted. Those pages are reserved at admission and taken as the request grows. A finished or
+aborted request leaves its whole pages in the radix cache for later requests to reuse.
+
+With overlap scheduling a request may be released while a step that still writes its last token's
+K/V is queued on the device; that is safe because every later use of a released page is queued on
+the same stream, after that write.
+"""
+
+from __future__ import annotations
+
+import math
+
+from sglang_shadowkv.mem_cache.kv_pool import PoolExhaustedError
+from sglang_shadowkv.mem_cache.radix_cache import RadixCache
+
+from .model_runner import ModelRunner
+from .request import Req
+from .shadowkv_manager import ShadowKVManager
+
+
+class CacheManager:
+    def __init__(self, runner: ModelRunner, page_size: int, stats: dict):
+        self.runner, self.pool, self.page_size = runner, runner.pool, page_size
+        self.table = runner.req_to_token
+        self.tree = RadixCache(page_size, self._release_entries)
+        self.reserved_pages = 0
+        self.stats = stats
+        self.shadow = (ShadowKVManager(runner, self.tree, page_size, stats)
+                       if runner.shadow_cfg is not None else None)
+
+    def _release_entries(self, entries: list) -> None:
+        if self.shadow is not None:
+            self.shadow.release_entries(entries)
+        else:
+            self.pool.free(entries)
+
+    def pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.page_size)
+
+    def available_pages(self) -> int:
+        return self.pool.num_free + self.tree.evictable_pages - self.reserved_pages
+
+    # ---- admission ----------------------------------------------------------------------------
+    def try_admit(self, req: Req) -> bool | None:
+        """Give the request its cached prefix, a table row and its reservation. False: it must
+        wait for memory; None: it can never run here (req.finish_reason says why)."""
+        # Leave at least one prompt token to compute: its logits give the first new token.
+        match = self.tree.match_prefix(req.input_ids[:len(req.input_ids) - 1])
+        self.tree.lock(match.node)
+        # matched compressed chunks need dense pages while the prompt is prefilled
+        need = self.pages_for(req.max_total_len) - sum(isinstance(e, int) for e in match.pages)
+        if need > self.available_pages() or self.table.num_free == 0:
+            self.tree.unlock(match.node)
+            return False
+        if self.shadow is not None:
+            req.shadow = self.shadow.plan(req, match.pages)
+            if req.shadow is False:
+                req.shadow = None
+                self.tree.unlock(match.node)
+                return False
+        req.pool_row = self.table.alloc()
+        req.last_node = match.node
+        req.pages = list(match.pages)
+        req.num_borrowed = match.num_pages
+        req.cached_tokens = req.num_computed = match.num_pages * self.page_size
+        if req.pages:  # compressed entries get their (temporary) pages in restore_matched
+            dense = [e if isinstance(e, int) else 0 for e in req.pages]
+            self.table.write(req.pool_row, 0, self.pool.slots_of_pages(dense, req.num_computed))
+        req.reserved_pages = need
+        self.reserved_pages += need
+        if req.shadow is not None:
+            self.shadow.restore_matched(req)
+            req.reserved_pages -= len(req.temp_pages)
+            self.reserved_pages -= len(req.temp_pages)
+        self.stats["cached_tokens"] += req.cached_tokens
+        return True
+
+    def ensure_pages(self, req: Req, num_tokens: int) -> None:
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return
+        if self.pool.num_free < need:
+            self.tree.evict(need - self.pool.num_free)
+        pages = self.pool.alloc(need)
+        if pages is None:  # admission reserved these pages, so this is a bookkeeping bug
+            raise PoolExhaustedError(f"pool exhausted while extending request {req.rid}")
+        start = len(req.pages) * self.page_size
+        self.table.write(req.pool_row, start, self.pool.slots_of_pages(pages, need * self.page_size))
+        req.pages.extend(pages)
+        take = min(need, req.reserved_pages)
+        req.reserved_pages -= take
+        self.reserved_pages -= take
+
+    # ---- release ------------------------------------------------------------------------------
+    def release(self, req: Req) -> None:
+        """Hand the request's computed whole pages (dense or compressed) to the radix cache and
+        release the rest."""
+        if req.shadow is not None:
+            self.shadow.before_release(req)
+        whole = req.num_computed // self.page_size
+        tokens = req.all_ids[:whole * self.page_size]
+        present = self.tree.insert(tokens, req.pages[:whole])
+        duplicates = req.pages[req.num_borrowed:present]  # cached meanwhile by another request
+        self._release_entries(duplicates + req.pages[whole:])
+        self.tree.unlock(req.last_node)
+        self.table.free(req.pool_row)
+        self.reserved_pages -= req.reserved_pages
+        req.reserved_pages = 0
+        req.pages = []
+        req.pool_row = None
+
+    def memory_stats(self, running: list[Req]) -> dict:
+        running_pages = sum(sum(isinstance(e, int) for e in r.pages[r.num_borrowed:]) + len(r.temp_pages)
+                            for r in running)
+        return {
+            "page_size": self.page_size,
+            "total_pages": self.pool.capacity,
+            "free_pages": self.pool.num_free,
+            "tree_pages": self.tree.total_pages,
+            "evictable_pages": self.tree.evictable_pages,
+            "running_request_pages": running_pages,
+            "reserved_pages": self.reserved_pages,
+            "kv_bytes_per_token": self.pool.bytes_per_token,
+            "radix_nodes": self.tree.num_nodes(),
+        }

@@ -1,0 +1,150 @@
+"""The graph-ready decode step and overlap scheduling (CPU).
+
+On a GPU decode steps replay CUDA graphs over fixed buffers; here the same path runs eagerly over
+the same buffers (capture=False), and must give the tokens of the plain eager step: full
+attention, ShadowKV, and batches mixing compressed and dense requests, with requests joining and
+leaving between steps, batches padded to a captured size, and the plan written in place.
+Overlap scheduling (the next step launched before the last one's tokens are processed) must not
+change any output either.
+"""
+
+import pytest
+import torch
+
+from conftest import assert_pool_clean
+from test_shadowkv import SHADOW_ENGINE, assert_shadow_pools_clean, long_prompt
+
+from sglang_shadowkv.managers.cuda_graph import graph_batch_sizes
+from sglang_shadowkv.sampling_params import SamplingParams
+
+SHORT = ["The capital of France is", "Once upon a time, in a small village by the sea,",
+         "def fibonacci(n):\n    ", "Water boils at a temperature of", "Name three primary colors:"]
+
+
+def run_staggered(engine, prompts: list[list[int]], max_new: list[int], join_every: int = 3) -> dict:
+    """Greedy outputs by rid, requests joining one at a time every few steps (so batches grow and
+    shrink between steps)."""
+    sched, reqs, pending = engine.scheduler, [], list(enumerate(zip(prompts, max_new)))
+    steps = 0
+    while pending or sched.has_work:
+        if pending and steps % join_every == 0:
+            i, (ids, n) = pending.pop(0)
+            reqs.append(sched.add_request(f"r{i}", ids, SamplingParams(max_new_tokens=n, temperature=0)))
+        sched.step()
+        steps += 1
+    assert all(r.finished for r in reqs)
+    return {r.rid: r.output_ids for r in reqs}
+
+
+def with_static_decode(engine, max_bs: int):
+    engine.scheduler.runner.init_decode_graphs(max_bs, capture=False)
+    return engine.scheduler.runner.graphs
+
+
+def test_graph_batch_sizes_cover_every_batch():
+    sizes = graph_batch_sizes(40)
+    assert sizes == [1, 2, 4, 8, 12, 16, 24, 32, 40]
+    assert graph_batch_sizes(3) == [1, 2, 3] and graph_batch_sizes(1) == [1]
+
+
+@pytest.fixture(scope="module")
+def dense_pair():
+    from sglang_shadowkv import Engine
+
+    kwargs = dict(max_total_tokens=8192, chunked_prefill_size=256, max_running_requests=8)
+    plain, graphed = Engine(**kwargs, disable_overlap_schedule=True), Engine(**kwargs)
+    with_static_decode(graphed, 4)
+    yield plain, graphed
+    plain.shutdown()
+    graphed.shutdown()
+
+
+def test_full_attention_graph_steps_give_the_eager_tokens(dense_pair):
+    plain, graphed = dense_pair
+    prompts = [plain.tokenizer.encode(p, add_special_tokens=False) for p in SHORT]
+    max_new = [9, 4, 12, 7, 10]
+    want = run_staggered(plain, prompts, max_new)
+    graphs = graphed.scheduler.runner.graphs
+    replays, eager = graphs.replays, graphed.scheduler.runner.eager_steps
+    got = run_staggered(graphed, prompts, max_new)
+    assert got == want
+    assert graphs.replays - replays > 10  # the decode steps went through the fixed buffers
+    # batches of 3 are padded to 4; 5 running requests exceed the largest size and run eagerly
+    assert graphed.scheduler.runner.eager_steps > eager
+    assert_pool_clean(graphed)
+
+
+def test_padding_entries_touch_only_the_reserved_page(dense_pair):
+    plain, graphed = dense_pair
+    graphs, table = graphed.scheduler.runner.graphs, graphed.scheduler.runner.req_to_token
+    prompts = [graphed.tokenizer.encode(p, add_special_tokens=False) for p in SHORT[:3]]
+    params = {"max_new_tokens": 4, "temperature": 0}
+    want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    replays = graphs.replays
+    got = [o["output_ids"] for o in graphed.generate(input_ids=prompts, sampling_params=params)]
+    assert got == want and graphs.replays > replays
+    # the batch of 3 ran as 4: the padding entry read the padding row and wrote only slot 0
+    assert int(graphs.out_cache_loc[3]) == 0 and int(graphs.positions[3]) == 0
+    assert not table.table[table.padding_row].any()
+    assert_pool_clean(graphed)
+
+
+@pytest.fixture(scope="module")
+def shadow_pair():
+    from sglang_shadowkv import Engine
+
+    plain = Engine(**SHADOW_ENGINE, disable_overlap_schedule=True)
+    graphed = Engine(**SHADOW_ENGINE)
+    with_static_decode(graphed, 4)
+    yield plain, graphed
+    plain.shutdown()
+    graphed.shutdown()
+
+
+def test_shadowkv_mixed_batches_give_the_eager_tokens(shadow_pair):
+    plain, graphed = shadow_pair
+    tok = plain.tokenizer
+    prompts = [long_prompt(tok, 900, 21), tok.encode(SHORT[0], add_special_tokens=False),
+               long_prompt(tok, 700, 22), tok.encode(SHORT[2], add_special_tokens=False)]
+    max_new = [10, 6, 8, 12]
+    want = run_staggered(plain, prompts, max_new, join_every=2)
+    decoder = graphed.scheduler.runner.decoder
+    replays = graphed.scheduler.runner.graphs.replays
+    got = run_staggered(graphed, prompts, max_new, join_every=2)
+    assert got == want
+    assert graphed.scheduler.runner.graphs.replays - replays > 5
+    plan = decoder.graph_plan  # written in place: the last graph step's padded rows use the dummy scratch
+    assert decoder.dummy_row in plan.rows.tolist()
+    for eng in (plain, graphed):
+        assert_pool_clean(eng)
+        assert_shadow_pools_clean(eng)
+
+
+def test_overlap_finds_stops_one_step_late_and_drops_the_extra_token(engine):
+    """A stop string ends the request; the step launched before it was seen must not add a token."""
+    ids = engine.tokenizer.encode("Count: 1, 2, 3, 4, 5,", add_special_tokens=False)
+    sched = engine.scheduler
+    assert sched.overlap
+    free = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 12, "temperature": 0})
+    text = free["text"]
+    stop = text.strip().split()[2]  # a word a few tokens in
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                          "stop": [stop]})
+    assert out["meta_info"]["finish_reason"]["matched"] == stop
+    assert out["output_ids"] == free["output_ids"][:len(out["output_ids"])]
+    assert out["meta_info"]["completion_tokens"] < 12
+    assert not sched.has_work
+    assert_pool_clean(engine)
+
+
+def test_penalties_make_the_scheduler_wait_for_the_last_token(engine):
+    """A penalised request's sampling reads its output so far, so each step waits for the last."""
+    ids = engine.tokenizer.encode("Repeat after me: apple apple apple", add_special_tokens=False)
+    params = {"max_new_tokens": 10, "temperature": 0, "frequency_penalty": 1.5}
+    sched = engine.scheduler
+    sched.overlap = False
+    try:
+        want = engine.generate(input_ids=ids, sampling_params=params)["output_ids"]
+    finally:
+        sched.overlap = True
+    assert engine.generate(input_ids=ids, sampling_params=params)["output_ids"] == want
