@@ -18,8 +18,12 @@ class SamplingRow:
     generator: torch.Generator | None
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float]]:
-    """Returns each row's next token and its log-probability under the unmodified logits."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow], vocab_mask=None) -> tuple[list[int], list[float]]:
+    """Returns each row's next token and its log-probability under the logits before penalties
+    and temperature. vocab_mask (constrained decoding: an object with apply(logits)) first sets
+    the logits of tokens a row's grammar forbids to -inf, in place."""
+    if vocab_mask is not None:
+        vocab_mask.apply(logits)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     if all(_is_plain_greedy(r) for r in rows):
         tokens = logits.argmax(-1)

@@ -134,8 +134,10 @@ class ModelRunner:
             shadow=[it.shadow for it in items], prompt_lens=[it.prompt_len for it in items],
             cached_lens=[it.cached_len for it in items])
 
-    def forward(self, items: list[StepItem]) -> torch.Tensor:
-        """Run one step; logits [len(items), vocab] of each item's last token."""
+    def forward(self, items: list[StepItem], logit_rows: list[int] | None = None) -> torch.Tensor:
+        """Run one step; logits [len(items), vocab] of each item's last token, or of the given
+        rows of the flattened step (prompt logprobs)."""
         batch = self.build_batch(items)
         self.backend.begin_step(batch)
-        return self.model(batch, self.backend)
+        rows = None if logit_rows is None else torch.tensor(logit_rows, device=self.device)
+        return self.model(batch, self.backend, rows)

@@ -11,16 +11,18 @@ import torch
 from sglang_shadowkv.mem_cache.radix_cache import TreeNode
 from sglang_shadowkv.sampling_params import SamplingParams
 
+from .logprobs import ReqLogprobs
+
 
 @dataclass
 class Req:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
-    return_logprob: bool = False
+    logprob: ReqLogprobs | None = None  # what return_logprob asked for and has got (logprobs.py)
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
+    grammar: Any = None  # the constrained-decoding matcher (constrained/), once its grammar compiled
     # cache state
     pool_row: int | None = None
     # token i lives in pages[i // page_size]: a dense page id or a compressed ChunkRef

@@ -17,12 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_shadowkv.constrained import create_grammar_backend
+from sglang_shadowkv.constrained.grammar_manager import GrammarManager
 from sglang_shadowkv.layers.sampler import SamplingRow, sample
 from sglang_shadowkv.mem_cache.kv_pool import PoolExhaustedError
 from sglang_shadowkv.mem_cache.radix_cache import RadixCache
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
+from .logprobs import (LogprobOptions, ReqLogprobs, prefix_match_limit, prompt_logit_rows,
+                       record_output_logprobs, record_prompt_logprobs)
 from .model_runner import ModelRunner, StepItem
 from .request import Req
 from .shadowkv_manager import ShadowKVManager
@@ -60,6 +64,8 @@ class Scheduler:
         self.rejected: list[Req] = []  # dropped at admission; reported by the next step
         self.shadow = (ShadowKVManager(self.runner, self.tree, self.page_size, self.stats)
                        if self.runner.shadow_cfg is not None else None)
+        self.grammars = GrammarManager(lambda: create_grammar_backend(
+            self.tokenizer, self.vocab_size, sorted(self.eos_ids)))
 
     def _release_entries(self, entries: list) -> None:
         if self.shadow is not None:
@@ -69,7 +75,7 @@ class Scheduler:
 
     # ---- submission ---------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
-                    return_logprob: bool = False) -> Req:
+                    logprob: LogprobOptions | None = None) -> Req:
         """Validate and queue; raises ValueError naming the problem (nothing is allocated then)."""
         if not input_ids:
             raise ValueError("prompt is empty: give a non-empty text or input_ids")
@@ -79,8 +85,10 @@ class Scheduler:
         if len(input_ids) >= self.context_length:
             raise ValueError(f"prompt has {len(input_ids)} tokens; the context length is "
                              f"{self.context_length} (prompt plus at least one new token must fit)")
-        if any(r.rid == rid for r in self.running) or any(r.rid == rid for r in self.waiting):
+        if any(r.rid == rid for queue in (self.running, self.waiting, self.grammars.pending) for r in queue):
             raise ValueError(f"rid {rid!r} is already in use")
+        if logprob is not None:
+            logprob.check(len(input_ids), self.vocab_size)
         max_total_len = min(len(input_ids) + sampling.max_new_tokens, self.context_length)
         if self._pages_for(max_total_len) > self.pool.capacity:
             raise ValueError(
@@ -91,13 +99,17 @@ class Scheduler:
         gen = None
         if sampling.sampling_seed is not None:
             gen = torch.Generator(device=self.sampling_device).manual_seed(sampling.sampling_seed)
-        req = Req(rid, list(input_ids), sampling, return_logprob, generator=gen)
+        req = Req(rid, list(input_ids), sampling, generator=gen,
+                  logprob=None if logprob is None else ReqLogprobs.for_prompt(logprob, input_ids))
         req.max_total_len = max_total_len
-        self.waiting.append(req)
+        if not self.grammars.submit(req):  # else it waits there while its grammar compiles
+            self.waiting.append(req)
         self.stats["requests"] += 1
         return req
 
     def abort(self, rid: str) -> bool:
+        if self.grammars.abort(rid) is not None:
+            return True
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -113,10 +125,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.grammars.pending)
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[ReqUpdate]:
+        ready, failed = self.grammars.take_ready(idle=not (self.waiting or self.running))
+        self.waiting.extend(ready)
+        self.rejected.extend(failed)
         self._admit()
         updates = [ReqUpdate(req, [], True) for req in self.rejected]
         self.rejected.clear()
@@ -138,7 +153,11 @@ class Scheduler:
                                   len(req.input_ids), req.cached_tokens))
             reqs.append(req)
         prompt_was_done = [req.prompt_done for req in reqs]
-        logits = self.runner.forward(items)
+        logit_rows = prompt_logit_rows(reqs, items)  # prompt logprobs need more rows than the last
+        logits = self.runner.forward(items, None if logit_rows is None else logit_rows.rows)
+        if logit_rows is not None:
+            record_prompt_logprobs(reqs, logits, logit_rows)
+            logits = logits[logit_rows.last]
         sampled_rows = []
         for i, (req, item) in enumerate(zip(reqs, items)):
             req.num_computed += len(item.token_ids)
@@ -147,19 +166,23 @@ class Scheduler:
             if req.prompt_done:
                 if len(req.output_ids) == 0 and req.sampling.max_new_tokens == 0:
                     req.finish_reason = {"type": "length", "length": 0}
-                else:
+                if not req.finished or req.logprob is not None:  # SGLang scores the next token
                     sampled_rows.append(i)
             self.stats["prefill_tokens" if len(req.output_ids) == 0 else "decode_tokens"] += len(item.token_ids)
         if sampled_rows:
             rows = [self._sampling_row(reqs[i]) for i in sampled_rows]
-            tokens, logprobs = sample(logits[sampled_rows], rows)
-            for i, token, logprob in zip(sampled_rows, tokens, logprobs):
-                req = reqs[i]
+            sampled, sampled_logits = [reqs[i] for i in sampled_rows], logits[sampled_rows]
+            tokens, logprobs = sample(sampled_logits, rows, self.grammars.vocab_mask(sampled))
+            record_output_logprobs(sampled, sampled_logits, tokens, logprobs)
+            for req, token in zip(sampled, tokens):
+                if req.finished:  # a prompt-only request: it reported the next token's logprob
+                    continue
                 if req.first_token_time is None:
                     req.first_token_time = time.monotonic()
                 req.output_ids.append(token)
-                req.output_logprobs.append(logprob)
-                self._check_finished(req)
+                self.grammars.advance(req, token)
+                if not req.finished:
+                    self._check_finished(req)
                 updates.append(ReqUpdate(req, [token], req.finished))
         for req in reqs:
             if req.finished:
@@ -201,8 +224,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.args.max_running_requests:
             req = self.waiting[0]
-            # Leave at least one prompt token to compute: its logits give the first new token.
-            match = self.tree.match_prefix(req.input_ids[:len(req.input_ids) - 1])
+            match = self.tree.match_prefix(req.input_ids[:prefix_match_limit(req)])
             self.tree.lock(match.node)
             # matched compressed chunks need dense pages while the prompt is prefilled
             need = self._pages_for(req.max_total_len) - sum(isinstance(e, int) for e in match.pages)
