@@ -16,6 +16,9 @@ from typing import Any
 from tqdm import tqdm
 
 from sglang_shadowkv.managers.detokenizer import output_dict
+from sglang_shadowkv.managers.io_struct import GenerateReq
+from sglang_shadowkv.managers.logprobs import LogprobOptions
+from sglang_shadowkv.managers.parallel_sampling import expand_parallel
 from sglang_shadowkv.managers.scheduler import Scheduler
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
@@ -34,8 +37,12 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None,
-                 return_logprob: bool = False, rid: str | list[str] | None = None):
-        """One prompt -> one output dict; a list of prompts -> a list, in order."""
+                 return_logprob: bool = False, rid: str | list[str] | None = None,
+                 logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+                 token_ids_logprob: list[int] | None = None, return_text_in_logprobs: bool = False):
+        """One prompt -> one output dict; a list of prompts -> a list, in order. Sampling n > 1
+        gives n outputs per prompt (a list even for one prompt). The logprob arguments are
+        SGLang's (meta_info gets input_token_logprobs, output_token_logprobs, ...)."""
         self._check_open()
         batch_of_ids, single = self._normalize_prompts(prompt, input_ids)
         n = len(batch_of_ids)
@@ -43,25 +50,30 @@ class Engine:
         rids = rid if isinstance(rid, list) else [rid] * n
         if len(params) != n or len(rids) != n:
             raise ValueError("sampling_params and rid lists must have one entry per prompt")
-        parsed = [SamplingParams.from_dict(p) for p in params]
+        logprob = LogprobOptions.from_fields(logprob_start_len, top_logprobs_num, token_ids_logprob,
+                                             return_text_in_logprobs) if return_logprob else None
+        prefixes, runs = expand_parallel([GenerateReq(r, ids, SamplingParams.from_dict(p), logprob)
+                                          for ids, p, r in zip(batch_of_ids, params, rids)])
         with self._lock:
-            reqs = []
-            try:
-                for ids, sp, r in zip(batch_of_ids, parsed, rids):
-                    reqs.append(self.scheduler.add_request(
-                        r if r is not None else f"engine-{next(self._rids)}", ids, sp, return_logprob))
-            except ValueError:
-                for req in reqs:
-                    self.scheduler.abort(req.rid)
-                raise
-            self._run_until_finished(reqs)
+            self._run([GenerateReq(None, ids, SamplingParams(max_new_tokens=0)) for ids in prefixes])
+            reqs = self._run(runs)
         outputs = [output_dict(self.tokenizer, r) for r in reqs]
-        return outputs[0] if single else outputs
+        return outputs[0] if single and len(outputs) == 1 else outputs
 
     async def async_generate(self, *args, **kwargs):
         return await asyncio.to_thread(self.generate, *args, **kwargs)
 
-    def _run_until_finished(self, reqs) -> None:
+    def _run(self, items: list[GenerateReq]) -> list:
+        """Queue the requests (none if one is refused) and step until all have finished."""
+        reqs = []
+        try:
+            for item in items:
+                rid = item.rid if item.rid is not None else f"engine-{next(self._rids)}"
+                reqs.append(self.scheduler.add_request(rid, item.input_ids, item.sampling, item.logprob))
+        except ValueError:
+            for req in reqs:
+                self.scheduler.abort(req.rid)
+            raise
         bar = tqdm(total=len(reqs), desc="generate", disable=not self.server_args.show_progress)
         pending = {id(r) for r in reqs}
         while pending:
@@ -72,6 +84,7 @@ class Engine:
         while self.scheduler.pending is not None and not self.scheduler.running:
             self.scheduler.step()  # the step launched before the last stop was seen: its tokens are dropped
         bar.close()
+        return reqs
 
     def _normalize_prompts(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
         if (prompt is None) == (input_ids is None):

@@ -6,12 +6,21 @@ Every error names the offending key, so the HTTP layer can turn it into a 400 as
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-# Structured-output keys SGLang accepts; this engine has no grammar backend, so only an unset
-# value (None, or the empty list / string that SGLang's frontend sends) passes.
-UNSUPPORTED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
+from sglang_shadowkv.constrained import GRAMMAR_KINDS, GrammarSpec, check_grammar
+
+# Keys of SGLang's SamplingParams this engine does not implement: the values that mean "unset"
+# (SGLang's frontend sends [] and ""), which pass, and why any other value is refused.
+UNSUPPORTED_KEYS = {
+    "structural_tag": ((None, ""), "tool-call structural tags are not supported (use json_schema, "
+                                   "regex or ebnf)"),
+    "stop_regex": ((None, [], ""), "stop_regex is not supported (use stop strings, or a regex grammar)"),
+    "beam_width": ((None, 1), "beam search is not supported"),
+    "watermark": ((None,), "watermarking is not supported"),
+}
 
 
 @dataclass
@@ -36,10 +45,19 @@ class SamplingParams:
     sampling_seed: int | None = None
     logit_bias: dict[str, float] | None = None
     custom_params: dict[str, Any] | None = None
+    # constrained decoding (constrained/): at most one of these
+    regex: str | None = None
+    json_schema: str | None = None  # a JSON schema, as a JSON string
+    ebnf: str | None = None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        kind = next((k for k in GRAMMAR_KINDS if getattr(self, k) is not None), None)
+        return None if kind is None else GrammarSpec(kind, getattr(self, kind))
 
     @property
     def has_penalties(self) -> bool:
@@ -56,8 +74,9 @@ class SamplingParams:
         values = {}
         for key, value in params.items():
             if key in UNSUPPORTED_KEYS:
-                if value not in (None, [], ""):
-                    raise ValueError(f"sampling_params.{key} is not supported by this engine")
+                unset, reason = UNSUPPORTED_KEYS[key]
+                if value not in unset:
+                    raise ValueError(f"sampling_params.{key}: {reason}")
                 continue
             if key not in known:
                 raise ValueError(f"unknown sampling_params key {key!r}; known: {sorted(known)}")
@@ -67,6 +86,11 @@ class SamplingParams:
             values["stop"] = [values["stop"]]
         if isinstance(values.get("stop_token_ids"), int):
             values["stop_token_ids"] = [values["stop_token_ids"]]
+        if isinstance(values.get("json_schema"), dict):  # a schema object rather than its text
+            values["json_schema"] = json.dumps(values["json_schema"])
+        for key in GRAMMAR_KINDS:  # SGLang's frontend sends "" for an unset regex
+            if values.get(key) == "":
+                del values[key]
         sp = cls(**values)
         sp.validate()
         return sp
@@ -78,8 +102,6 @@ class SamplingParams:
         _check_int(self, "n", 1)
         if self.top_k == 0:
             raise ValueError("sampling_params.top_k must be -1 (no limit) or at least 1, got 0")
-        if self.n != 1:
-            raise ValueError("sampling_params.n > 1 is not supported; send n requests instead")
         _check_float(self, "temperature", 0.0, None)
         _check_float(self, "top_p", 0.0, 1.0, open_low=True)
         _check_float(self, "min_p", 0.0, 1.0)
@@ -97,6 +119,17 @@ class SamplingParams:
                 raise ValueError(f"sampling_params.{name} must be a boolean")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError("sampling_params.logit_bias must be a dict of token id -> bias")
+        self._validate_grammar()
+
+    def _validate_grammar(self) -> None:
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of sampling_params.{', '.join(GRAMMAR_KINDS)}; got {given}")
+        for key in given:
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"sampling_params.{key} must be a string")
+        if given:
+            check_grammar(self.grammar)
 
 
 def _check_int(sp: SamplingParams, name: str, low: int) -> None:

@@ -20,6 +20,16 @@ def engine():
     eng.shutdown()
 
 
+@pytest.fixture(scope="session")
+def hf_model(engine):
+    """The same model in transformers (float32): the independent reference."""
+    from transformers import AutoModelForCausalLM
+
+    path = engine.get_server_info()["model_path"]
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
 def assert_pool_clean(engine) -> None:
     """Every page is either free or held by the radix tree: nothing leaked to dead requests."""
     mem = engine.get_server_info()["memory"]

@@ -1,8 +1,6 @@
 """End to end on the embedded SmolLM2-135M (CPU): equal to transformers, prefix reuse, batching,
 chunked prefill, stop conditions, and clear errors that leak nothing."""
 
-import os
-
 import pytest
 import torch
 
@@ -17,15 +15,6 @@ PROMPTS = [
     "Water boils at a temperature of",
 ]
 GREEDY = {"max_new_tokens": 32, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def hf_model(engine):
-    from transformers import AutoModelForCausalLM
-
-    path = engine.get_server_info()["model_path"]
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
 
 
 def test_greedy_matches_transformers(engine, hf_model):

@@ -16,8 +16,12 @@ from sglang_shadowkv.sampling_params import SamplingParams
     ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-3]}, "stop_token_ids"),
     ({"bogus": 1}, "bogus"),
-    ({"regex": "a+"}, "regex"),
-    ({"n": 2}, "n"),
+    ({"regex": "[a-"}, "regex"),
+    ({"json_schema": '{"type": 5}'}, "json_schema"),
+    ({"ebnf": "root ::= "}, "ebnf"),
+    ({"regex": "a+", "ebnf": 'root ::= "a"'}, "at most one"),
+    ({"stop_regex": "x+"}, "stop_regex"),
+    ({"n": 0}, "n"),
 ])
 def test_bad_params_name_the_field(params, field):
     with pytest.raises(ValueError, match=field):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -17,17 +16,12 @@ from sglang_shadowkv.managers.tokenizer_manager import TokenizerManager
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
-from .http_util import (SSE_DONE, ClientGone, error_response, json_body, json_response, peek, sse,
-                        wait_or_abort_on_disconnect)
+from .generate_request import parse_generate
+from .http_util import (SSE_DONE, ClientGone, error_response, json_body, json_response, last_output,
+                        merge_streams, peek, sse, wait_or_abort_on_disconnect)
 from .openai_api import add_openai_routes
 
 logger = logging.getLogger(__name__)
-
-# Fields of SGLang's GenerateReqInput that are accepted and ignored at their default value.
-IGNORED_AT_DEFAULT = {"logprob_start_len": (None, -1, 0), "top_logprobs_num": (None, 0),
-                      "return_text_in_logprobs": (None, False, True), "image_data": (None,),
-                      "modalities": (None,), "lora_path": (None,), "custom_logit_processor": (None,)}
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "stream", "return_logprob"}
 
 
 def build_app(tm: TokenizerManager, args: ServerArgs, alive=lambda: True,
@@ -63,10 +57,11 @@ def build_app(tm: TokenizerManager, args: ServerArgs, alive=lambda: True,
             return PlainTextResponse("scheduler is down", status_code=503)
         stream = tm.generate([tm.tokenizer.encode("ok", add_special_tokens=False)[0]],
                              SamplingParams(max_new_tokens=1, temperature=0.0))
-        await wait_or_abort_on_disconnect(request, _last(stream))
+        await wait_or_abort_on_disconnect(request, last_output(stream))
         return PlainTextResponse("ok")
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # the name sglang-router asks first
     async def get_model_info():
         info = tm.info
         return json_response({"model_path": info.model_path, "tokenizer_path": args.tokenizer_path or info.model_path,
@@ -97,13 +92,14 @@ def build_app(tm: TokenizerManager, args: ServerArgs, alive=lambda: True,
     @app.post("/generate")
     async def generate(request: Request):
         body = await json_body(request)
-        prompts, single, stream = _parse_generate(tm, body)
-        streams = [tm.generate(ids, sp, rid, logprob) for ids, sp, rid, logprob in prompts]
+        reqs, single, stream = parse_generate(tm, body)
+        streams = await wait_or_abort_on_disconnect(request, tm.start_batch(reqs))
+        single = single and len(streams) == 1  # n > 1 answers a list, as SGLang does
         if not stream:
-            outs = await wait_or_abort_on_disconnect(request, asyncio.gather(*(_last(s) for s in streams)))
+            outs = await wait_or_abort_on_disconnect(request, asyncio.gather(*(last_output(s) for s in streams)))
             results = [_native_result(out, ids) for out, ids in outs]
             return json_response(results[0] if single else results)
-        merged = _merge(streams)
+        merged = merge_streams(streams)
         _, events = await peek(merged, request)
 
         async def sse_events():
@@ -118,92 +114,6 @@ def build_app(tm: TokenizerManager, args: ServerArgs, alive=lambda: True,
 
     add_openai_routes(app, tm, served_name)
     return app
-
-
-def _parse_generate(tm: TokenizerManager, body: dict):
-    """[(input_ids, SamplingParams, rid, return_logprob)], whether it was one prompt, stream."""
-    unknown = sorted(set(body) - GENERATE_FIELDS - set(IGNORED_AT_DEFAULT))
-    if unknown:
-        raise ValueError(f"unknown field(s) {unknown} in /generate request")
-    for key, allowed in IGNORED_AT_DEFAULT.items():
-        if body.get(key) not in allowed:
-            raise ValueError(f"{key} is not supported by this server")
-    text, input_ids = body.get("text"), body.get("input_ids")
-    single = isinstance(text, str) or (isinstance(input_ids, list) and input_ids
-                                       and not isinstance(input_ids[0], list))
-    if text is None and input_ids is None:
-        raise ValueError("give text or input_ids")
-    if single:
-        prompts = [tm.input_ids_of(text, input_ids)]
-    elif text is not None:
-        if not isinstance(text, list) or not text:
-            raise ValueError("text must be a string or a non-empty list of strings")
-        prompts = [tm.input_ids_of(t, None, "text[i]") for t in text]
-    else:
-        if not isinstance(input_ids, list) or not input_ids:
-            raise ValueError("input_ids must be a list of ints or a non-empty list of such lists")
-        prompts = [tm.input_ids_of(None, ids) for ids in input_ids]
-    n = len(prompts)
-    params, rids, logprobs = (_per_prompt(body.get(k), n, k) for k in ("sampling_params", "rid", "return_logprob"))
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ValueError("stream must be a boolean")
-    for rid in rids:
-        if rid is not None and not isinstance(rid, str):
-            raise ValueError("rid must be a string (or a list of strings for a batch)")
-    for lp in logprobs:
-        if lp is not None and not isinstance(lp, bool):
-            raise ValueError("return_logprob must be a boolean")
-    return ([(ids, SamplingParams.from_dict(sp), rid, bool(lp))
-             for ids, sp, rid, lp in zip(prompts, params, rids, logprobs)], single, stream)
-
-
-def _per_prompt(value, n: int, name: str) -> list:
-    if isinstance(value, list):
-        if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
-        return value
-    return [value] * n
-
-
-async def _last(stream: AsyncIterator[TextOut]) -> tuple[TextOut, list[int]]:
-    ids: list[int] = []
-    out = None
-    async for out in stream:
-        ids.extend(out.new_ids)
-    return out, ids
-
-
-async def _merge(streams: list[AsyncIterator[TextOut]]):
-    """(index, output, output ids so far) from several request streams, as they come."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index, stream):
-        ids: list[int] = []
-        try:
-            async for out in stream:
-                ids = ids + out.new_ids
-                await queue.put((index, out, ids))
-        except Exception as err:
-            await queue.put(err)
-        finally:
-            await queue.put(None)
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _native_result(out: TextOut, ids: list[int]) -> dict:

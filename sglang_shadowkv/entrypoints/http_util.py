@@ -74,3 +74,44 @@ async def peek(stream: AsyncIterator, request: Request):
             yield item
 
     return first, rest()
+
+
+async def last_output(stream: AsyncIterator) -> tuple:
+    """The last output of a request stream and every output id it produced."""
+    ids: list[int] = []
+    out = None
+    async for out in stream:
+        ids.extend(out.new_ids)
+    return out, ids
+
+
+async def merge_streams(streams: list[AsyncIterator]):
+    """(index, output, output ids so far) from several request streams, as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index, stream):
+        ids: list[int] = []
+        try:
+            async for out in stream:
+                ids = ids + out.new_ids
+                await queue.put((index, out, ids))
+        except Exception as err:
+            await queue.put(err)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -18,10 +18,14 @@ class SamplingRow:
     generator: torch.Generator | None
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], with_logprobs: bool = True
+def sample(logits: torch.Tensor, rows: list[SamplingRow], vocab_mask=None, with_logprobs: bool = True
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's next token [B] and (with_logprobs) its log-probability under the unmodified
-    logits [B], both left on the logits' device: nothing here waits for the device."""
+    """Each row's next token [B] and (with_logprobs) its log-probability under the logits before
+    penalties and temperature [B], both left on the logits' device: nothing here waits for the
+    device. vocab_mask (constrained decoding: an object with apply(logits)) first sets the logits
+    of tokens a row's grammar forbids to -inf, in place."""
+    if vocab_mask is not None:
+        vocab_mask.apply(logits)
     if all(_is_plain_greedy(r) for r in rows):
         tokens = logits.argmax(-1)
     else:

@@ -17,6 +17,7 @@ import math
 from sglang_shadowkv.mem_cache.kv_pool import PoolExhaustedError
 from sglang_shadowkv.mem_cache.radix_cache import RadixCache
 
+from .logprobs import prefix_match_limit
 from .model_runner import ModelRunner
 from .request import Req
 from .shadowkv_manager import ShadowKVManager
@@ -48,8 +49,7 @@ class CacheManager:
     def try_admit(self, req: Req) -> bool | None:
         """Give the request its cached prefix, a table row and its reservation. False: it must
         wait for memory; None: it can never run here (req.finish_reason says why)."""
-        # Leave at least one prompt token to compute: its logits give the first new token.
-        match = self.tree.match_prefix(req.input_ids[:len(req.input_ids) - 1])
+        match = self.tree.match_prefix(req.input_ids[:prefix_match_limit(req)])
         self.tree.lock(match.node)
         # matched compressed chunks need dense pages while the prompt is prefilled
         need = self.pages_for(req.max_total_len) - sum(isinstance(e, int) for e in match.pages)

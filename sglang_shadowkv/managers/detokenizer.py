@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from sglang_shadowkv.sampling_params import SamplingParams
 
+from .logprob_format import format_logprobs, merge_logprobs
 from .request import Req
 
 
@@ -32,7 +33,7 @@ def decode_text(tokenizer, output_ids: list[int], sampling: SamplingParams,
 
 def meta_info(req: Req) -> dict:
     now = req.first_token_time
-    meta = {
+    return {
         "id": req.rid,
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": len(req.output_ids),
@@ -41,13 +42,12 @@ def meta_info(req: Req) -> dict:
         "ttft": None if now is None else now - req.created,
         "shadowkv": req.shadowkv_info or {"compressed_tokens": 0},
     }
-    if req.return_logprob:
-        meta["output_token_logprobs"] = [
-            (lp, tid, None) for lp, tid in zip(req.output_logprobs, req.output_ids)]
-    return meta
 
 
 def output_dict(tokenizer, req: Req) -> dict:
-    """The SGLang-shaped result of a finished request."""
+    """The SGLang-shaped result of a finished request (with its logprobs, if it asked for them)."""
     text = decode_text(tokenizer, req.output_ids, req.sampling, req.finish_reason)
-    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info(req)}
+    meta = meta_info(req)
+    if req.logprob is not None:
+        merge_logprobs(meta, {}, format_logprobs(tokenizer, req.logprob.everything()))
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}

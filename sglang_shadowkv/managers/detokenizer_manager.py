@@ -7,6 +7,7 @@ import zmq
 
 from .detokenizer import decode_text
 from .io_struct import TextOut, TokenOut
+from .logprob_format import format_logprobs
 
 
 class Detokenizer:
@@ -23,7 +24,8 @@ class Detokenizer:
             del self.output_ids[out.rid]
         text = "" if out.error else decode_text(self.tokenizer, ids, out.sampling,
                                                  out.meta["finish_reason"], final=out.finished)
-        return TextOut(out.rid, text, out.new_ids, out.finished, out.meta, out.error)
+        logprobs = None if out.logprobs is None else format_logprobs(self.tokenizer, out.logprobs)
+        return TextOut(out.rid, text, out.new_ids, out.finished, out.meta, out.error, logprobs)
 
 
 def run_detokenizer_process(tokenizer, from_scheduler: str, to_tokenizer_manager: str) -> None:

@@ -12,13 +12,15 @@ from typing import Any
 
 from sglang_shadowkv.sampling_params import SamplingParams
 
+from .logprobs import LogprobDelta, LogprobOptions
+
 
 @dataclass
 class GenerateReq:
-    rid: str
+    rid: str | None  # None: the tokenizer manager names it
     input_ids: list[int]
     sampling: SamplingParams
-    return_logprob: bool = False
+    logprob: LogprobOptions | None = None  # None: return_logprob is off
 
 
 @dataclass
@@ -47,6 +49,7 @@ class TokenOut:
     meta: dict
     sampling: SamplingParams
     error: str | None = None
+    logprobs: LogprobDelta | None = None  # what this step added (return_logprob)
 
 
 @dataclass
@@ -57,3 +60,4 @@ class TextOut:
     finished: bool
     meta: dict
     error: str | None = None
+    logprobs: dict | None = None  # this step's logprobs in SGLang's meta_info shape (logprob_format.py)

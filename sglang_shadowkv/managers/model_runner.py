@@ -169,14 +169,16 @@ class ModelRunner:
             shadow=[it.shadow for it in items], prompt_lens=[it.prompt_len for it in items],
             cached_lens=[it.cached_len for it in items])
 
-    def forward(self, items: list[StepItem]) -> torch.Tensor:
-        """Run one step; logits [len(items), vocab] of each item's last token. A decode batch that
-        a captured graph holds replays it; anything else runs eagerly."""
-        if self.graphs is not None and all(it.is_decode for it in items):
+    def forward(self, items: list[StepItem], logit_rows: list[int] | None = None) -> torch.Tensor:
+        """Run one step; logits [len(items), vocab] of each item's last token, or of the given
+        rows of the flattened step (prompt logprobs). A decode batch that a captured graph holds
+        replays it; anything else runs eagerly."""
+        if self.graphs is not None and logit_rows is None and all(it.is_decode for it in items):
             logits = self.graphs.run(items)
             if logits is not None:
                 return logits
         batch = self.build_batch(items)
         self.backend.begin_step(batch)
         self.eager_steps += 1
-        return self.model(batch, self.backend)
+        rows = None if logit_rows is None else torch.tensor(logit_rows, device=self.device)
+        return self.model(batch, self.backend, rows)

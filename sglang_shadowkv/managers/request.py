@@ -11,17 +11,19 @@ import torch
 from sglang_shadowkv.mem_cache.radix_cache import TreeNode
 from sglang_shadowkv.sampling_params import SamplingParams
 
+from .logprobs import ReqLogprobs
+
 
 @dataclass
 class Req:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
-    return_logprob: bool = False
+    logprob: ReqLogprobs | None = None  # what return_logprob asked for and has got (logprobs.py)
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     num_sampled: int = 0  # tokens sampled so far, including one whose step is still on the device
-    output_logprobs: list[float] = field(default_factory=list)
+    grammar: Any = None  # the constrained-decoding matcher (constrained/), once its grammar compiled
     # cache state
     pool_row: int | None = None
     # token i lives in pages[i // page_size]: a dense page id or a compressed ChunkRef
@@ -58,6 +60,7 @@ class Req:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Its next sampling reads its output so far on the host (penalties), so the scheduler
-        must process the pending step before launching the next."""
-        return self.sampling.has_penalties
+        """Its next step needs its last token seen on the host (penalties over the output so far,
+        a grammar's mask, logprobs recorded per sampled token), so the scheduler processes the
+        pending step before launching the next."""
+        return self.sampling.has_penalties or self.grammar is not None or self.logprob is not None

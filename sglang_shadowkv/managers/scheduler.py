@@ -12,8 +12,8 @@ possible: a decode step's input token is the request's last sampled token, read 
 prompt completion, ShadowKV's compressed layout) is booked at launch; only what depends on a
 token's value waits for it. A request whose output ends on a stop token is thus found one step
 late, after one more step that included it was launched; that step's token for it is dropped.
-Requests whose next sampling needs the host to have seen their last token (penalties over the
-output so far) make the scheduler process the pending step first.
+Requests whose next step needs the host to have seen their last token (penalties, a grammar,
+logprobs: Req.needs_host_tokens) make the scheduler process the pending step first.
 """
 
 from __future__ import annotations
@@ -25,11 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_shadowkv.constrained import create_grammar_backend
+from sglang_shadowkv.constrained.grammar_manager import GrammarManager
 from sglang_shadowkv.layers.sampler import SamplingRow, sample
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
 from .cache_manager import CacheManager
+from .logprobs import (LogprobOptions, ReqLogprobs, prompt_logit_rows, record_output_logprobs,
+                       record_prompt_logprobs)
 from .model_runner import ModelRunner, StepItem
 from .request import Req
 
@@ -49,7 +53,6 @@ class LaunchedStep:
     """A step queued on the device whose sampled tokens have not been processed yet."""
     sampled: list[Req]  # requests that get a token from this step, in the order of `tokens`
     tokens: torch.Tensor  # [n] on the host, valid once `copied` has completed
-    logprobs: torch.Tensor | None
     copied: torch.cuda.Event | None  # None on a CPU: the tensors are ready
     prompts_done: list[Req]  # requests with max_new_tokens 0 whose prompt this step completed
 
@@ -81,10 +84,12 @@ class Scheduler:
         self.tree, self.shadow = self.cache.tree, self.cache.shadow
         self.overlap = not args.disable_overlap_schedule
         self.pending: LaunchedStep | None = None
+        self.grammars = GrammarManager(lambda: create_grammar_backend(
+            self.tokenizer, self.vocab_size, sorted(self.eos_ids)))
 
     # ---- submission ---------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
-                    return_logprob: bool = False) -> Req:
+                    logprob: LogprobOptions | None = None) -> Req:
         """Validate and queue; raises ValueError naming the problem (nothing is allocated then)."""
         if not input_ids:
             raise ValueError("prompt is empty: give a non-empty text or input_ids")
@@ -94,8 +99,10 @@ class Scheduler:
         if len(input_ids) >= self.context_length:
             raise ValueError(f"prompt has {len(input_ids)} tokens; the context length is "
                              f"{self.context_length} (prompt plus at least one new token must fit)")
-        if any(r.rid == rid for r in self.running) or any(r.rid == rid for r in self.waiting):
+        if any(r.rid == rid for queue in (self.running, self.waiting, self.grammars.pending) for r in queue):
             raise ValueError(f"rid {rid!r} is already in use")
+        if logprob is not None:
+            logprob.check(len(input_ids), self.vocab_size)
         max_total_len = min(len(input_ids) + sampling.max_new_tokens, self.context_length)
         if self.cache.pages_for(max_total_len) > self.pool.capacity:
             raise ValueError(
@@ -106,13 +113,17 @@ class Scheduler:
         gen = None
         if sampling.sampling_seed is not None:
             gen = torch.Generator(device=self.sampling_device).manual_seed(sampling.sampling_seed)
-        req = Req(rid, list(input_ids), sampling, return_logprob, generator=gen)
+        req = Req(rid, list(input_ids), sampling, generator=gen,
+                  logprob=None if logprob is None else ReqLogprobs.for_prompt(logprob, input_ids))
         req.max_total_len = max_total_len
-        self.waiting.append(req)
+        if not self.grammars.submit(req):  # else it waits there while its grammar compiles
+            self.waiting.append(req)
         self.stats["requests"] += 1
         return req
 
     def abort(self, rid: str) -> bool:
+        if self.grammars.abort(rid) is not None:
+            return True
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -128,11 +139,14 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pending)
+        return bool(self.waiting or self.running or self.pending or self.grammars.pending)
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[ReqUpdate]:
         """Launch the next step, then process the one before it (see the module docstring)."""
+        ready, failed = self.grammars.take_ready(idle=not (self.waiting or self.running or self.pending))
+        self.waiting.extend(ready)
+        self.rejected.extend(failed)
         self._admit()
         updates = [ReqUpdate(req, [], True) for req in self.rejected]
         self.rejected.clear()
@@ -190,8 +204,12 @@ class Scheduler:
 
     def _launch(self, items: list[StepItem], reqs: list[Req]) -> LaunchedStep:
         """Queue the forward pass and the sampling; book what the step does to each request."""
-        logits = self.runner.forward(items)
-        sampled, rows, prompts_done = [], [], []
+        logit_rows = prompt_logit_rows(reqs, items)  # prompt logprobs need more rows than the last
+        logits = self.runner.forward(items, None if logit_rows is None else logit_rows.rows)
+        if logit_rows is not None:
+            record_prompt_logprobs(reqs, logits, logit_rows)
+            logits = logits[logit_rows.last]
+        sampled, rows, prompts_done, scored = [], [], [], []
         for i, (req, item) in enumerate(zip(reqs, items)):
             was_prompt = not req.prompt_done
             req.num_computed += item.num_new
@@ -201,14 +219,22 @@ class Scheduler:
                     self.shadow.on_prompt_done(req)
                 if not req.may_sample:
                     prompts_done.append(req)
+                    if req.logprob is not None:  # SGLang scores the next token all the same
+                        scored.append(i)
             if req.prompt_done and req.may_sample:
                 sampled.append(req)
                 rows.append(i)
         self.stats["decode_steps"] += any(it.is_decode for it in items)
+        if scored:
+            self._record_logprobs([reqs[i] for i in scored], logits[scored])
         if not sampled:
-            return LaunchedStep([], torch.zeros(0, dtype=torch.long), None, None, prompts_done)
-        tokens, logprobs = sample(logits[rows], [self._sampling_row(r) for r in sampled],
-                                  with_logprobs=any(r.return_logprob for r in sampled))
+            return LaunchedStep([], torch.zeros(0, dtype=torch.long), None, prompts_done)
+        sampled_logits = logits[rows]
+        tokens, logprobs = sample(sampled_logits, [self._sampling_row(r) for r in sampled],
+                                  self.grammars.vocab_mask(sampled),
+                                  with_logprobs=any(r.logprob is not None for r in sampled))
+        if logprobs is not None:
+            record_output_logprobs(sampled, sampled_logits, tokens.tolist(), logprobs.tolist())
         table_rows = torch.tensor([r.pool_row for r in sampled], device=self.runner.device)
         self.runner.next_input[table_rows] = tokens
         for req in sampled:
@@ -216,25 +242,30 @@ class Scheduler:
         copied = None
         if tokens.is_cuda:  # bring the tokens back without waiting for them here
             tokens = tokens.to("cpu", non_blocking=True)
-            logprobs = None if logprobs is None else logprobs.to("cpu", non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        return LaunchedStep(sampled, tokens, logprobs, copied, prompts_done)
+        return LaunchedStep(sampled, tokens, copied, prompts_done)
+
+    def _record_logprobs(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """The next token's logprobs of prompt-only requests (max_new_tokens 0), as SGLang reports
+        them: of the token the request would have sampled."""
+        tokens, logprobs = sample(logits, [self._sampling_row(r) for r in reqs],
+                                  self.grammars.vocab_mask(reqs))
+        record_output_logprobs(reqs, logits, tokens.tolist(), logprobs.tolist())
 
     def _process(self, step: LaunchedStep) -> list[ReqUpdate]:
         """The host side of a finished step: append tokens, check stops, release what ended."""
         step.wait()
-        tokens = step.tokens.tolist()
-        logprobs = [None] * len(tokens) if step.logprobs is None else step.logprobs.tolist()
         updates = []
-        for req, token, logprob in zip(step.sampled, tokens, logprobs):
+        for req, token in zip(step.sampled, step.tokens.tolist()):
             if req.finished:
                 continue  # it ended (a stop token one step earlier, or an abort): the token is dropped
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             req.output_ids.append(token)
-            req.output_logprobs.append(logprob)
-            self._check_finished(req)
+            self.grammars.advance(req, token)
+            if not req.finished:
+                self._check_finished(req)
             updates.append(ReqUpdate(req, [token], req.finished))
         for req in step.prompts_done:
             if not req.finished:

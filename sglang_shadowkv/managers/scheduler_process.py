@@ -81,7 +81,7 @@ class SchedulerLoop:
     def _handle(self, msg) -> list[TokenOut]:
         if isinstance(msg, GenerateReq):
             try:
-                req = self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling, msg.return_logprob)
+                req = self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling, msg.logprob)
             except ValueError as err:
                 meta = {"id": msg.rid, "finish_reason": {"type": "abort", "message": str(err)}}
                 return [TokenOut(msg.rid, [], True, meta, msg.sampling, error=str(err))]
@@ -89,7 +89,7 @@ class SchedulerLoop:
         elif isinstance(msg, AbortReq):
             req = self.reqs.pop(msg.rid, None)
             if req is not None and self.scheduler.abort(msg.rid):
-                return [TokenOut(req.rid, [], True, meta_info(req), req.sampling)]
+                return [token_out(req, [], True)]
         elif isinstance(msg, ControlReq):
             result = {"flush_cache": self.scheduler.flush_cache,
                       "server_info": self.scheduler.server_info}[msg.kind]()
@@ -113,5 +113,14 @@ class SchedulerLoop:
             req = update.req
             if update.finished:
                 self.reqs.pop(req.rid, None)
-            outs.append(TokenOut(req.rid, update.new_ids, update.finished, meta_info(req), req.sampling))
+            outs.append(token_out(req, update.new_ids, update.finished))
         return outs
+
+
+def token_out(req: Req, new_ids: list[int], finished: bool) -> TokenOut:
+    """A request's step output; one that ended on bad input (a grammar that failed to compile)
+    carries the reason as its error, which the client gets as a 400."""
+    reason = req.finish_reason or {}
+    error = reason.get("message") if reason.get("status_code") == 400 else None
+    return TokenOut(req.rid, new_ids, finished, meta_info(req), req.sampling, error=error,
+                    logprobs=None if req.logprob is None else req.logprob.take_delta())

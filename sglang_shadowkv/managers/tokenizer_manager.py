@@ -19,6 +19,9 @@ import zmq.asyncio
 from sglang_shadowkv.sampling_params import SamplingParams
 
 from .io_struct import AbortReq, ControlOut, ControlReq, GenerateReq, TextOut
+from .logprob_format import merge_logprobs
+from .logprobs import LogprobOptions
+from .parallel_sampling import expand_parallel
 
 
 @dataclass
@@ -75,24 +78,36 @@ class TokenizerManager:
             raise ValueError(f"input_ids must be a list of token ids, got {type(input_ids).__name__}")
         return input_ids
 
+    async def start_batch(self, reqs: list[GenerateReq]) -> list[AsyncIterator[TextOut]]:
+        """Output streams of several requests, in order; a request with sampling n > 1 becomes n
+        streams after its prompt has been prefilled once (parallel_sampling.py)."""
+        prefixes, runs = expand_parallel(reqs)
+        await asyncio.gather(*(_drain(self.generate(ids, SamplingParams(max_new_tokens=0)))
+                               for ids in prefixes))
+        return [self.generate(r.input_ids, r.sampling, r.rid, r.logprob) for r in runs]
+
     async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
-                       return_logprob: bool = False) -> AsyncIterator[TextOut]:
+                       logprob: LogprobOptions | None = None) -> AsyncIterator[TextOut]:
         """Outputs of one request as they come; the last has finished=True. Raises ValueError if
-        the scheduler rejects it. If the consumer stops early (client gone), the request is aborted."""
+        the scheduler rejects it. If the consumer stops early (client gone), the request is aborted.
+        With logprob, each output's meta has the logprobs so far (SGLang's meta_info keys)."""
         rid = rid or uuid.uuid4().hex
         if rid in self.queues:
             raise ValueError(f"rid {rid!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = queue
         finished = False
+        logprobs: dict[str, list] = {}
         try:
-            await self.to_scheduler.send_pyobj(GenerateReq(rid, input_ids, sampling, return_logprob))
+            await self.to_scheduler.send_pyobj(GenerateReq(rid, input_ids, sampling, logprob))
             while not finished:
                 out: TextOut = await queue.get()
                 if out.error is not None:
                     finished = True
                     raise ValueError(out.error)
                 finished = out.finished
+                if out.logprobs is not None:
+                    merge_logprobs(out.meta, logprobs, out.logprobs)
                 yield out
         finally:
             self.queues.pop(rid, None)
@@ -116,3 +131,8 @@ class TokenizerManager:
         if self._recv_task is not None:
             self._recv_task.cancel()
         self.context.destroy(linger=0)
+
+
+async def _drain(stream: AsyncIterator) -> None:
+    async for _ in stream:
+        pass
