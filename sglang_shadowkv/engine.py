@@ -3,15 +3,24 @@
     from sglang_shadowkv import Engine
     engine = Engine()                      # embedded SmolLM2-135M-Instruct, dense attention
     out = engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
-    engine.shutdown()
+    engine.shutdown()                      # or: with Engine() as engine: ...
+
+The model and caches are released by shutdown(), at the end of a `with` block, when the engine is
+garbage collected, or at interpreter exit, whichever comes first (a weakref.finalize, so the exit
+hook does not keep the engine alive). Any call after that raises EngineShutDown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
+import logging
 import threading
+import weakref
 from typing import Any
+
+import torch
 
 from tqdm import tqdm
 
@@ -20,15 +29,42 @@ from sglang_shadowkv.managers.scheduler import Scheduler
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
+logger = logging.getLogger(__name__)
+
+
+class EngineShutDown(RuntimeError):
+    """The engine was shut down: its model and caches are gone."""
+
+
+class _Owned:
+    """What an engine owns, kept apart from it so that its finalizer can release it without
+    referring to (and so keeping alive) the engine itself."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler: Scheduler | None = scheduler
+
+    def release(self) -> None:
+        self.scheduler = None
+        gc.collect()  # the scheduler and its radix cache refer to each other
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.info("Engine shut down: model and caches released")
+
 
 class Engine:
     def __init__(self, model_path: str | None = None, attention: str = "full", **kwargs: Any):
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, attention=attention, **kwargs)
-        self.scheduler = Scheduler(self.server_args)
-        self.tokenizer = self.scheduler.tokenizer
+        self._owned = _Owned(Scheduler(self.server_args))
+        self._release = weakref.finalize(self, self._owned.release)
+        self.tokenizer = self._owned.scheduler.tokenizer
         self._lock = threading.Lock()
         self._rids = itertools.count()
-        self._closed = False
+
+    @property
+    def scheduler(self) -> Scheduler:
+        if self._owned.scheduler is None:
+            raise EngineShutDown("this Engine is shut down; create a new Engine to generate again")
+        return self._owned.scheduler
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None,
@@ -36,7 +72,6 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None,
                  return_logprob: bool = False, rid: str | list[str] | None = None):
         """One prompt -> one output dict; a list of prompts -> a list, in order."""
-        self._check_open()
         batch_of_ids, single = self._normalize_prompts(prompt, input_ids)
         n = len(batch_of_ids)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
@@ -45,27 +80,30 @@ class Engine:
             raise ValueError("sampling_params and rid lists must have one entry per prompt")
         parsed = [SamplingParams.from_dict(p) for p in params]
         with self._lock:
+            scheduler = self.scheduler
+            for sp in parsed:
+                sp.check_token_ids(scheduler.vocab_size)
             reqs = []
             try:
                 for ids, sp, r in zip(batch_of_ids, parsed, rids):
-                    reqs.append(self.scheduler.add_request(
+                    reqs.append(scheduler.add_request(
                         r if r is not None else f"engine-{next(self._rids)}", ids, sp, return_logprob))
             except ValueError:
                 for req in reqs:
-                    self.scheduler.abort(req.rid)
+                    scheduler.abort(req.rid)
                 raise
-            self._run_until_finished(reqs)
+            self._run_until_finished(scheduler, reqs)
         outputs = [output_dict(self.tokenizer, r) for r in reqs]
         return outputs[0] if single else outputs
 
     async def async_generate(self, *args, **kwargs):
         return await asyncio.to_thread(self.generate, *args, **kwargs)
 
-    def _run_until_finished(self, reqs) -> None:
+    def _run_until_finished(self, scheduler: Scheduler, reqs) -> None:
         bar = tqdm(total=len(reqs), desc="generate", disable=not self.server_args.show_progress)
         pending = {id(r) for r in reqs}
         while pending:
-            for update in self.scheduler.step():
+            for update in scheduler.step():
                 if update.finished and id(update.req) in pending:
                     pending.discard(id(update.req))
                     bar.update(1)
@@ -97,16 +135,12 @@ class Engine:
             return self.scheduler.flush_cache()
 
     def get_server_info(self) -> dict:
-        self._check_open()
         return self.scheduler.server_info()
 
     def shutdown(self) -> None:
-        self._closed = True
-        self.scheduler = None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("engine is shut down")
+        """Release the model and caches now (a generate() running in another thread finishes first)."""
+        with self._lock:
+            self._release()
 
     def __enter__(self):
         return self

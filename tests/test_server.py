@@ -2,64 +2,25 @@
 SGLang frontend program, bad input, concurrency and aborts."""
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import orjson
 import pytest
+from live_server import LiveServer, assert_no_pages_held
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_shadowkv.launch_server", "--port", str(port),
-                             "--max-total-tokens", "16384", "--chunked-prefill-size", "512"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not become healthy in 300 s"
-        time.sleep(1)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    with LiveServer("--max-total-tokens", "16384", "--chunked-prefill-size", "512") as live:
+        yield live.url
 
 
 def generate(url, **body):
     resp = httpx.post(url + "/generate", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return resp.json()
-
-
-def assert_no_pages_held(url, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        info = httpx.get(url + "/get_server_info", timeout=30).json()
-        mem = info["memory"]
-        if info["running_requests"] == 0 and mem["running_request_pages"] == 0 and mem["reserved_pages"] == 0:
-            assert mem["free_pages"] + mem["tree_pages"] == mem["total_pages"]
-            return
-        assert time.monotonic() < deadline, info
-        time.sleep(0.2)
 
 
 def sse_payloads(lines) -> list:
