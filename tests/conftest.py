@@ -38,9 +38,9 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def small_server():
-    """The embedded model behind HTTP with metrics on and a 32-token context, so that any request
-    the server accepts ends within a second or two (fuzzing, metrics)."""
+    """The embedded model behind HTTP with metrics on and a 64-token context (room for the chat
+    template), so that any request the server accepts ends within seconds (fuzzing, metrics)."""
     from live_server import LiveServer
 
-    with LiveServer("--enable-metrics", "--context-length", "32", "--max-total-tokens", "4096") as live:
+    with LiveServer("--enable-metrics", "--context-length", "64", "--max-total-tokens", "4096") as live:
         yield live
