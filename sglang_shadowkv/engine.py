@@ -3,15 +3,24 @@
     from sglang_shadowkv import Engine
     engine = Engine()                      # embedded SmolLM2-135M-Instruct, dense attention
     out = engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
-    engine.shutdown()
+    engine.shutdown()                      # or: with Engine() as engine: ...
+
+The model and caches are released by shutdown(), at the end of a `with` block, when the engine is
+garbage collected, or at interpreter exit, whichever comes first (a weakref.finalize, so the exit
+hook does not keep the engine alive). Any call after that raises EngineShutDown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
+import logging
 import threading
+import weakref
 from typing import Any
+
+import torch
 
 from tqdm import tqdm
 
@@ -23,15 +32,42 @@ from sglang_shadowkv.managers.scheduler import Scheduler
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
+logger = logging.getLogger(__name__)
+
+
+class EngineShutDown(RuntimeError):
+    """The engine was shut down: its model and caches are gone."""
+
+
+class _Owned:
+    """What an engine owns, kept apart from it so that its finalizer can release it without
+    referring to (and so keeping alive) the engine itself."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler: Scheduler | None = scheduler
+
+    def release(self) -> None:
+        self.scheduler = None
+        gc.collect()  # the scheduler and its radix cache refer to each other
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.info("Engine shut down: model and caches released")
+
 
 class Engine:
     def __init__(self, model_path: str | None = None, attention: str = "full", **kwargs: Any):
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, attention=attention, **kwargs)
-        self.scheduler = Scheduler(self.server_args)
-        self.tokenizer = self.scheduler.tokenizer
+        self._owned = _Owned(Scheduler(self.server_args))
+        self._release = weakref.finalize(self, self._owned.release)
+        self.tokenizer = self._owned.scheduler.tokenizer
         self._lock = threading.Lock()
         self._rids = itertools.count()
-        self._closed = False
+
+    @property
+    def scheduler(self) -> Scheduler:
+        if self._owned.scheduler is None:
+            raise EngineShutDown("this Engine is shut down; create a new Engine to generate again")
+        return self._owned.scheduler
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None,
@@ -43,7 +79,6 @@ class Engine:
         """One prompt -> one output dict; a list of prompts -> a list, in order. Sampling n > 1
         gives n outputs per prompt (a list even for one prompt). The logprob arguments are
         SGLang's (meta_info gets input_token_logprobs, output_token_logprobs, ...)."""
-        self._check_open()
         batch_of_ids, single = self._normalize_prompts(prompt, input_ids)
         n = len(batch_of_ids)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
@@ -55,34 +90,37 @@ class Engine:
         prefixes, runs = expand_parallel([GenerateReq(r, ids, SamplingParams.from_dict(p), logprob)
                                           for ids, p, r in zip(batch_of_ids, params, rids)])
         with self._lock:
-            self._run([GenerateReq(None, ids, SamplingParams(max_new_tokens=0)) for ids in prefixes])
-            reqs = self._run(runs)
+            scheduler = self.scheduler
+            for run in runs:
+                run.sampling.check_token_ids(scheduler.vocab_size)
+            self._run(scheduler, [GenerateReq(None, ids, SamplingParams(max_new_tokens=0)) for ids in prefixes])
+            reqs = self._run(scheduler, runs)
         outputs = [output_dict(self.tokenizer, r) for r in reqs]
         return outputs[0] if single and len(outputs) == 1 else outputs
 
     async def async_generate(self, *args, **kwargs):
         return await asyncio.to_thread(self.generate, *args, **kwargs)
 
-    def _run(self, items: list[GenerateReq]) -> list:
+    def _run(self, scheduler: Scheduler, items: list[GenerateReq]) -> list:
         """Queue the requests (none if one is refused) and step until all have finished."""
         reqs = []
         try:
             for item in items:
                 rid = item.rid if item.rid is not None else f"engine-{next(self._rids)}"
-                reqs.append(self.scheduler.add_request(rid, item.input_ids, item.sampling, item.logprob))
+                reqs.append(scheduler.add_request(rid, item.input_ids, item.sampling, item.logprob))
         except ValueError:
             for req in reqs:
-                self.scheduler.abort(req.rid)
+                scheduler.abort(req.rid)
             raise
         bar = tqdm(total=len(reqs), desc="generate", disable=not self.server_args.show_progress)
         pending = {id(r) for r in reqs}
         while pending:
-            for update in self.scheduler.step():
+            for update in scheduler.step():
                 if update.finished and id(update.req) in pending:
                     pending.discard(id(update.req))
                     bar.update(1)
-        while self.scheduler.pending is not None and not self.scheduler.running:
-            self.scheduler.step()  # the step launched before the last stop was seen: its tokens are dropped
+        while scheduler.pending is not None and not scheduler.running:
+            scheduler.step()  # the step launched before the last stop was seen: its tokens are dropped
         bar.close()
         return reqs
 
@@ -112,16 +150,12 @@ class Engine:
             return self.scheduler.flush_cache()
 
     def get_server_info(self) -> dict:
-        self._check_open()
         return self.scheduler.server_info()
 
     def shutdown(self) -> None:
-        self._closed = True
-        self.scheduler = None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("engine is shut down")
+        """Release the model and caches now (a generate() running in another thread finishes first)."""
+        with self._lock:
+            self._release()
 
     def __enter__(self):
         return self

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,9 @@ UNSUPPORTED_KEYS = {
     "beam_width": ((None, 1), "beam search is not supported"),
     "watermark": ((None,), "watermarking is not supported"),
 }
+SAMPLING_EPS = 1e-6  # SGLang's: a lower temperature is greedy (dividing by it overflows the logits)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range; a larger bias overflows float32 logits into NaN probabilities
+MIN_REPETITION_PENALTY = 1e-3  # dividing logits by a near-zero penalty makes them infinite
 
 
 @dataclass
@@ -43,7 +47,7 @@ class SamplingParams:
     n: int = 1
     stream_interval: int | None = None
     sampling_seed: int | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[int, float] | None = None  # token id (an int, or its decimal string) -> bias
     custom_params: dict[str, Any] | None = None
     # constrained decoding (constrained/): at most one of these
     regex: str | None = None
@@ -103,11 +107,13 @@ class SamplingParams:
         if self.top_k == 0:
             raise ValueError("sampling_params.top_k must be -1 (no limit) or at least 1, got 0")
         _check_float(self, "temperature", 0.0, None)
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
         _check_float(self, "top_p", 0.0, 1.0, open_low=True)
         _check_float(self, "min_p", 0.0, 1.0)
         _check_float(self, "frequency_penalty", -2.0, 2.0)
         _check_float(self, "presence_penalty", -2.0, 2.0)
-        _check_float(self, "repetition_penalty", 0.0, None, open_low=True)
+        _check_float(self, "repetition_penalty", MIN_REPETITION_PENALTY, None)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("sampling_params.stop must be a non-empty string or a list of them")
         if not isinstance(self.stop_token_ids, list) or not all(
@@ -117,8 +123,12 @@ class SamplingParams:
                      "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sampling_params.{name} must be a boolean")
-        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
-            raise ValueError("sampling_params.logit_bias must be a dict of token id -> bias")
+        if self.sampling_seed is not None:
+            _check_int(self, "sampling_seed", 0)
+            if self.sampling_seed >= 2**64:
+                raise ValueError(f"sampling_params.sampling_seed must be < 2**64, got {self.sampling_seed}")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
         self._validate_grammar()
 
     def _validate_grammar(self) -> None:
@@ -130,6 +140,36 @@ class SamplingParams:
                 raise ValueError(f"sampling_params.{key} must be a string")
         if given:
             check_grammar(self.grammar)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Token ids in the parameters exist in the model's vocabulary (known only to the server)."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"sampling_params.{name} has token id {bad[0]} outside the vocabulary "
+                                 f"[0, {vocab_size})")
+
+
+def _checked_logit_bias(bias) -> dict[int, float]:
+    """{token id: bias} with int keys; JSON object keys are strings, so "42" means token 42."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"sampling_params.logit_bias must be an object of token id -> bias, got "
+                         f"{type(bias).__name__}")
+    checked = {}
+    for key, value in bias.items():
+        if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            token = key
+        elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18:
+            token = int(key)
+        else:
+            raise ValueError(f"sampling_params.logit_bias key {key!r} is not a token id (a non-negative "
+                             "integer or its decimal string)")
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or abs(value) > MAX_LOGIT_BIAS):
+            raise ValueError(f"sampling_params.logit_bias[{key!r}] must be a number in "
+                             f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}")
+        checked[token] = float(value)
+    return checked
 
 
 def _check_int(sp: SamplingParams, name: str, low: int) -> None:
@@ -146,7 +186,7 @@ def _check_float(sp: SamplingParams, name: str, low: float, high: float | None,
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"sampling_params.{name} must be a number, got {value!r}")
     too_low = value <= low if open_low else value < low
-    if too_low or (high is not None and value > high):
+    if too_low or (high is not None and value > high) or not math.isfinite(value):
         bound = f"({low}, {high}]" if open_low else f"[{low}, {high if high is not None else 'inf'}]"
         raise ValueError(f"sampling_params.{name} must be in {bound}, got {value}")
     setattr(sp, name, float(value))

@@ -41,6 +41,7 @@ class ServerArgs:
     log_level: str = "warning"
     startup_timeout: float = 600.0  # seconds the server waits for the model to load
     show_progress: bool = False  # progress bar over a generate() call
+    enable_metrics: bool = False  # server: Prometheus metrics at GET /metrics
     # ShadowKV (used with attention="shadowkv"); meanings in shadowkv/config.py
     shadowkv_rank: int | None = _SKV.rank
     shadowkv_rank_energy: float | None = _SKV.rank_energy
@@ -125,6 +126,8 @@ class ServerArgs:
             "startup_timeout": "seconds to wait for the model to load before giving up",
             "served_model_name": "model name of the OpenAI API (default: the model file or folder name)",
             "log_level": "debug, info, warning or error",
+            "enable_metrics": "serve Prometheus metrics at GET /metrics (SGLang's names: request "
+                              "latencies, token counts, queue, pool usage; ShadowKV's compressed state)",
             "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
             "chunked_prefill_size": "most prompt tokens prefilled in one step",
             "disable_cuda_graph": "GPU: run decode steps eagerly (by default they replay CUDA graphs "

@@ -36,3 +36,21 @@ def assert_pool_clean(engine) -> None:
     assert mem["running_request_pages"] == 0 and mem["reserved_pages"] == 0
     assert mem["free_pages"] + mem["tree_pages"] == mem["total_pages"]
     assert mem["evictable_pages"] == mem["tree_pages"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    """A tiny random Llama with a 4K context (loads in a second; decodes a few hundred tokens/s)."""
+    from tiny_model import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def small_server():
+    """The embedded model behind HTTP with metrics on and a 64-token context (room for the chat
+    template), so that any request the server accepts ends within seconds (fuzzing, metrics)."""
+    from benchmarks.live_server import LiveServer
+
+    with LiveServer("--enable-metrics", "--context-length", "64", "--max-total-tokens", "4096") as live:
+        yield live

@@ -7,29 +7,7 @@ import torch
 from sglang_shadowkv.layers.attention import ForwardBatch, create_attention_backend
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
 from sglang_shadowkv.models.loader import load_model
-
-
-def _tiny_config(kind):
-    import transformers
-
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    if kind == "llama":
-        return transformers.LlamaConfig(**common, rope_theta=50000.0, tie_word_embeddings=False,
-                                        rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                      "original_max_position_embeddings": 64})
-    return transformers.Qwen2Config(**common, rope_theta=10000.0, tie_word_embeddings=True)
-
-
-def _save_tokenizer(folder):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(512)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(folder)
+from tiny_model import save_tokenizer, tiny_config
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -37,7 +15,7 @@ def test_hf_folder_logits_match_transformers(kind, tmp_path):
     import transformers
 
     torch.manual_seed(0)
-    cfg = _tiny_config(kind)
+    cfg = tiny_config(kind)
     cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.Qwen2ForCausalLM
     ref = cls(cfg).eval()
     if kind == "qwen2":  # make the QKV biases matter
@@ -45,7 +23,7 @@ def test_hf_folder_logits_match_transformers(kind, tmp_path):
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
     ref.save_pretrained(tmp_path)
-    _save_tokenizer(tmp_path)
+    save_tokenizer(tmp_path)
 
     loaded = load_model(str(tmp_path), torch.float32, "cpu")
     assert loaded.config.architecture == kind

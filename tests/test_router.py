@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from serving import free_port, generate, servers
+from benchmarks.live_server import free_port, generate, servers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "frontend_shared_document.py"

@@ -2,11 +2,10 @@
 SGLang frontend program, bad input, concurrency and aborts."""
 
 import asyncio
-import time
 
 import httpx
 import pytest
-from serving import assert_no_pages_held, generate, servers, sse_payloads
+from benchmarks.live_server import assert_no_pages_held, generate, servers, sse_payloads
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 

@@ -4,7 +4,6 @@ logprobs, echo, batched prompts and response_format; every field of SGLang's req
 accepted at its default; parallel sampling sharing one prefill."""
 
 import ast
-import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -13,7 +12,7 @@ import re
 import httpx
 import jsonschema
 import pytest
-from serving import assert_no_pages_held, generate, servers, sse_payloads
+from benchmarks.live_server import assert_no_pages_held, generate, servers, sse_payloads
 
 from sglang_shadowkv.entrypoints.request_fields import (CHAT_FIELDS, COMPLETION_FIELDS, GENERATE_FIELDS,
                                                         IGNORE, USE, Refused)

@@ -10,9 +10,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from sglang_shadowkv.managers.io_struct import TextOut
-from sglang_shadowkv.managers.tokenizer_manager import TokenizerManager
+from sglang_shadowkv.managers.tokenizer_manager import ServerUnavailable, TokenizerManager
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
@@ -26,7 +27,11 @@ logger = logging.getLogger(__name__)
 
 def build_app(tm: TokenizerManager, args: ServerArgs, alive=lambda: True,
               on_startup=lambda: None) -> FastAPI:
-    """alive(): whether the scheduler and detokenizer processes still run (for /health)."""
+    """alive(): whether the scheduler and detokenizer processes still run (for /health).
+    /metrics is served when the tokenizer manager has metrics (--enable-metrics)."""
+
+    def healthy() -> bool:
+        return alive() and tm.unavailable is None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -42,19 +47,23 @@ def build_app(tm: TokenizerManager, args: ServerArgs, alive=lambda: True,
     async def bad_request(request: Request, err: ValueError):
         return error_response(str(err))
 
+    @app.exception_handler(ServerUnavailable)
+    async def unavailable(request: Request, err: ServerUnavailable):
+        return error_response(str(err), 503, "service_unavailable")
+
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, err: ClientGone):
         return Response(status_code=499)
 
     @app.get("/health")
     async def health():
-        return PlainTextResponse("ok") if alive() else PlainTextResponse("scheduler is down", status_code=503)
+        return PlainTextResponse("ok") if healthy() else PlainTextResponse(_down(tm), status_code=503)
 
     @app.get("/health_generate")
     async def health_generate(request: Request):
         """A one-token generation end to end."""
-        if not alive():
-            return PlainTextResponse("scheduler is down", status_code=503)
+        if not healthy():
+            return PlainTextResponse(_down(tm), status_code=503)
         stream = tm.generate([tm.tokenizer.encode("ok", add_special_tokens=False)[0]],
                              SamplingParams(max_new_tokens=1, temperature=0.0))
         await wait_or_abort_on_disconnect(request, last_output(stream))
@@ -112,8 +121,18 @@ def build_app(tm: TokenizerManager, args: ServerArgs, alive=lambda: True,
 
         return StreamingResponse(sse_events(), media_type="text/event-stream")
 
+    if tm.metrics is not None:
+        @app.get("/metrics")
+        async def metrics():
+            info = await tm.control("server_info")
+            return Response(tm.metrics.render(info), media_type=CONTENT_TYPE_LATEST)
+
     add_openai_routes(app, tm, served_name)
     return app
+
+
+def _down(tm: TokenizerManager) -> str:
+    return tm.unavailable or "a server process is down"
 
 
 def _native_result(out: TextOut, ids: list[int]) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import zmq
 
+from .child_process import die_with_parent
 from .detokenizer import decode_text
 from .io_struct import TextOut, TokenOut
 from .logprob_format import format_logprobs
@@ -28,12 +29,15 @@ class Detokenizer:
         return TextOut(out.rid, text, out.new_ids, out.finished, out.meta, out.error, logprobs)
 
 
-def run_detokenizer_process(tokenizer, from_scheduler: str, to_tokenizer_manager: str) -> None:
+def run_detokenizer_process(tokenizer, from_scheduler: str, to_tokenizer_manager: str, status_pipe) -> None:
+    """status_pipe: told once the sockets are up, so the launcher serves only when every process is."""
+    die_with_parent()
     context = zmq.Context()
     recv = context.socket(zmq.PULL)
     recv.bind(from_scheduler)
     send = context.socket(zmq.PUSH)
     send.connect(to_tokenizer_manager)
+    status_pipe.send({})
     detokenizer = Detokenizer(tokenizer)
     while True:
         batch: list[TokenOut] = recv.recv_pyobj()

@@ -4,6 +4,9 @@ It takes requests from the tokenizer manager, steps the Scheduler while there is
 on its socket when idle), sends each step's new tokens to the detokenizer and answers control
 calls (flush, server info) straight to the tokenizer manager. A request the Scheduler rejects comes
 back as a finished output carrying the error, so the client gets it as an HTTP 400.
+
+The status pipe to the launcher carries readiness (or why loading failed) and, if the loop itself
+crashes, the reason, so the launcher can name it when it takes the server down.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import zmq
 
 from sglang_shadowkv.server_args import ServerArgs
 
+from .child_process import die_with_parent
 from .detokenizer import meta_info
 from .io_struct import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
 from .request import Req
@@ -31,19 +35,25 @@ class IpcPaths:
     tokenizer_manager: str
 
 
-def run_scheduler_process(args: ServerArgs, paths: IpcPaths, ready_pipe) -> None:
+def run_scheduler_process(args: ServerArgs, paths: IpcPaths, status_pipe) -> None:
+    die_with_parent()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
     try:
         scheduler = Scheduler(args)
     except Exception as err:  # reported to the launcher, which exits with the message
         logger.exception("scheduler failed to start")
-        ready_pipe.send({"error": f"{type(err).__name__}: {err}"})
+        status_pipe.send({"error": f"{type(err).__name__}: {err}"})
         return
     runner = scheduler.runner
-    ready_pipe.send({"tokenizer": scheduler.tokenizer, "model_path": runner.loaded.model_path,
-                     "context_length": runner.context_length, "vocab_size": runner.config.vocab_size,
-                     "max_total_tokens": scheduler.pool.capacity * scheduler.page_size})
-    SchedulerLoop(scheduler, paths).run()
+    status_pipe.send({"tokenizer": scheduler.tokenizer, "model_path": runner.loaded.model_path,
+                      "context_length": runner.context_length, "vocab_size": runner.config.vocab_size,
+                      "max_total_tokens": scheduler.pool.capacity * scheduler.page_size})
+    try:
+        SchedulerLoop(scheduler, paths).run()
+    except Exception as err:  # outside the per-step handler: the server cannot go on
+        logger.exception("the scheduler loop crashed")
+        status_pipe.send({"error": f"{type(err).__name__}: {err}"})
+        raise SystemExit(1) from None
 
 
 class SchedulerLoop:

@@ -2,7 +2,9 @@
 detokenizer's outputs back to the waiting HTTP handlers (one asyncio queue per request id).
 
 Everything a client can get wrong is checked here or by the scheduler and surfaces as a
-ValueError naming the field; the HTTP layer turns it into a 400.
+ValueError naming the field; the HTTP layer turns it into a 400. When the server stops or a
+child process dies, `shut_down` ends every waiting request with ServerUnavailable (a 503) at
+once, instead of leaving it to wait for outputs that will never come.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from .io_struct import AbortReq, ControlOut, ControlReq, GenerateReq, TextOut
 from .logprob_format import merge_logprobs
 from .logprobs import LogprobOptions
 from .parallel_sampling import expand_parallel
+from .metrics import ServerMetrics
+
+
+class ServerUnavailable(RuntimeError):
+    """The server is stopping or its scheduler is gone: nothing can be served (HTTP 503)."""
 
 
 @dataclass
@@ -35,8 +42,11 @@ class ModelInfo:
 
 
 class TokenizerManager:
-    def __init__(self, info: ModelInfo, scheduler_path: str, own_path: str):
+    def __init__(self, info: ModelInfo, scheduler_path: str, own_path: str,
+                 metrics: ServerMetrics | None = None):
         self.info = info
+        self.metrics = metrics
+        self.unavailable: str | None = None  # why, once shut_down
         self.tokenizer = info.tokenizer
         self.context = zmq.asyncio.Context()
         self.to_scheduler = self.context.socket(zmq.PUSH)
@@ -89,35 +99,51 @@ class TokenizerManager:
     async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
                        logprob: LogprobOptions | None = None) -> AsyncIterator[TextOut]:
         """Outputs of one request as they come; the last has finished=True. Raises ValueError if
-        the scheduler rejects it. If the consumer stops early (client gone), the request is aborted.
-        With logprob, each output's meta has the logprobs so far (SGLang's meta_info keys)."""
+        the scheduler rejects it. If the server stops first: ServerUnavailable before the first
+        output, else a last output finished as "abort" with the reason (a stream ends cleanly).
+        If the consumer stops early (client gone), the request is aborted. With logprob, each
+        output's meta has the logprobs so far (SGLang's meta_info keys)."""
+        self._check_available()
+        sampling.check_token_ids(self.info.vocab_size)
         rid = rid or uuid.uuid4().hex
         if rid in self.queues:
             raise ValueError(f"rid {rid!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = queue
-        finished = False
+        last: TextOut | None = None
         logprobs: dict[str, list] = {}
+        timing = self.metrics.request_started() if self.metrics else None
         try:
             await self.to_scheduler.send_pyobj(GenerateReq(rid, input_ids, sampling, logprob))
-            while not finished:
-                out: TextOut = await queue.get()
+            while last is None or not last.finished:
+                out: TextOut | ServerUnavailable = await queue.get()
+                if isinstance(out, ServerUnavailable):
+                    if last is None:
+                        raise out
+                    out = TextOut(rid, last.text, [], True, {**last.meta, "finish_reason": {
+                        "type": "abort", "message": str(out)}})
                 if out.error is not None:
-                    finished = True
+                    last = out
                     raise ValueError(out.error)
-                finished = out.finished
                 if out.logprobs is not None:
                     merge_logprobs(out.meta, logprobs, out.logprobs)
+                if timing:
+                    self.metrics.observe_output(timing, out)
+                last = out
                 yield out
         finally:
             self.queues.pop(rid, None)
-            if not finished:
-                await self.abort(rid)
+            if last is None or not last.finished:
+                if timing:
+                    self.metrics.observe_abandoned()
+                if self.unavailable is None:
+                    await self.abort(rid)
 
     async def abort(self, rid: str) -> None:
         await self.to_scheduler.send_pyobj(AbortReq(rid))
 
     async def control(self, kind: str, timeout: float = 60.0):
+        self._check_available()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self.calls[call_id] = future
@@ -126,6 +152,21 @@ class TokenizerManager:
             return await asyncio.wait_for(future, timeout)
         finally:
             self.calls.pop(call_id, None)
+
+    def shut_down(self, reason: str) -> None:
+        """Refuse new work and end every waiting request and control call with ServerUnavailable."""
+        if self.unavailable is not None:
+            return
+        self.unavailable = reason
+        for queue in self.queues.values():
+            queue.put_nowait(ServerUnavailable(reason))
+        for future in self.calls.values():
+            if not future.done():
+                future.set_exception(ServerUnavailable(reason))
+
+    def _check_available(self) -> None:
+        if self.unavailable is not None:
+            raise ServerUnavailable(self.unavailable)
 
     def close(self) -> None:
         if self._recv_task is not None:

@@ -1,0 +1,51 @@
+"""What every server child process (scheduler, detokenizer) does first: tie its life to the launcher.
+
+A child that outlives its launcher holds the model and its GPU memory with nobody to stop it (the
+next server then fails with out-of-memory). Two independent ties, because either alone has a gap:
+- Linux's parent-death signal (prctl PR_SET_PDEATHSIG): the kernel SIGKILLs the child the moment
+  the launcher dies, even by SIGKILL. It is not inherited across fork and is tied to the thread
+  that started the child, so it is set here, in the child, and checked once against a launcher
+  that died before it was set.
+- A watchdog thread that polls the parent's pid (every platform, and any gap in the first).
+Ctrl-C in a terminal sends SIGINT to the whole process group: children ignore it and let the
+launcher stop them in order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1
+WATCHDOG_PERIOD_S = 0.5
+
+
+def die_with_parent() -> None:
+    """Call first thing in a multiprocessing child: it exits as soon as its parent is gone."""
+    parent_pid = multiprocessing.parent_process().pid
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), name="parent-watchdog",
+                     daemon=True).start()
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:  # a child whose parent dies is re-parented
+        time.sleep(WATCHDOG_PERIOD_S)
+    os._exit(1)
