@@ -6,6 +6,7 @@ prefix; errors name that keyword.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -14,7 +15,10 @@ import torch
 PAPER_RANK_PER_1024_KEY_DIMS = 160
 MIN_RANK = 16
 LOWRANK_METHODS = ("auto", "eigh", "subspace", "svd")
-STORAGE_DTYPES = {"auto": None, "int8": torch.int8}  # None: the model dtype; int8: a scale per chunk and KV head
+# None: the model dtype; int8: a scale per chunk and KV head. "auto" is resolved by the model runner:
+# int8 on a GPU (half the host memory and PCIe bytes of the values, half the landmarks' GPU bytes;
+# greedy agreement equal to bf16's in benchmarks/results/fidelity_*int8*), the model dtype on a CPU
+STORAGE_DTYPES = {"auto": None, "model": None, "int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,10 @@ class ShadowKVConfig:
     value_dtype: str = "auto"  # host values: the model dtype, or int8 with a scale per chunk and KV head
     landmark_dtype: str = "auto"  # landmarks (GPU): likewise
     host_tokens: int | None = None  # capacity of the compressed pools in tokens; None: from the device
-    max_requests: int = 16  # requests in compressed decode at once (each holds a chunk-cache scratch)
+    max_requests: int = 32  # requests in compressed decode at once (each holds a chunk-cache scratch)
+    # a suffix over a compressed prefix up to this many tokens selects chunks per tile of queries;
+    # a longer one attends every chunk (streamed); 0: always every chunk
+    sparse_prefill_max: int = 2048
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str, got) -> ValueError:
@@ -54,6 +61,8 @@ class ShadowKVConfig:
         for name in ("value_dtype", "landmark_dtype"):
             if getattr(self, name) not in STORAGE_DTYPES:
                 raise bad(name, f"one of {tuple(STORAGE_DTYPES)}", getattr(self, name))
+        if not isinstance(self.sparse_prefill_max, int) or self.sparse_prefill_max < 0:
+            raise bad("sparse_prefill_max", "a non-negative int", self.sparse_prefill_max)
         if self.host_tokens is not None and (not isinstance(self.host_tokens, int) or self.host_tokens < 1):
             raise bad("host_tokens", "a positive int or None", self.host_tokens)
 
@@ -70,6 +79,12 @@ class ShadowKVConfig:
     def landmark_torch_dtype(self) -> torch.dtype | None:
         """dtype of the landmark pool (None: the model's)."""
         return STORAGE_DTYPES[self.landmark_dtype]
+
+    def resolve_storage(self, on_gpu: bool) -> "ShadowKVConfig":
+        """'auto' storage made concrete for the device (see STORAGE_DTYPES)."""
+        auto = "int8" if on_gpu else "model"
+        return dataclasses.replace(self, **{name: auto for name in ("value_dtype", "landmark_dtype")
+                                            if getattr(self, name) == "auto"})
 
     def max_rank(self, kv_dim: int) -> int:
         """Width of the low-rank pools: the fixed rank, or the cap of the energy rule."""
