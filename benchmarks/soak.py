@@ -428,7 +428,8 @@ def run_soak(attention: str, args: argparse.Namespace, progress=print) -> dict:
 
 
 def plot(runs: list[dict], path: str) -> None:
-    """RSS, KV pages in use and request latency (p50 / p99 per sample window) over time, per mode."""
+    """RSS, KV pages in use (with the checkpoints) and request latency (p50 / p99 per sample
+    window) over time, per mode."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -442,13 +443,15 @@ def plot(runs: list[dict], path: str) -> None:
                    label=f"{name}: pages not free")
         pages.plot(minutes, [s["running_request_pages"] for s in series], color=line.get_color(),
                    linestyle=":", label=f"{name}: held by running requests")
+        for check in run["checkpoints"]:  # pools checked and flushed here
+            pages.axvline(check["t_s"] / 60, color=line.get_color(), alpha=0.3, linewidth=0.8)
         timed = [(m, s) for m, s in zip(minutes, series) if s["window_p50_s"] is not None]
         lat.plot([m for m, _ in timed], [s["window_p50_s"] for _, s in timed], color=line.get_color(),
                  label=f"{name} p50")
         lat.plot([m for m, _ in timed], [s["window_p99_s"] for _, s in timed], color=line.get_color(),
                  linestyle="--", label=f"{name} p99")
     rss.set_ylabel("server RSS (MB)")
-    pages.set_ylabel("KV pages")
+    pages.set_ylabel("KV pages (| checkpoint: check, flush)")
     lat.set_ylabel("request latency (s)")
     lat.set_xlabel("minutes")
     for ax in (rss, pages, lat):
