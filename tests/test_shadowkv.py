@@ -160,13 +160,9 @@ def assert_shadow_pools_clean(eng) -> None:
     sched = eng.scheduler
     store = sched.runner.shadow_pool
     tree_refs: dict[int, int] = {}
-    stack = [sched.tree.root]
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        for entry in node.pages:
-            if isinstance(entry, ChunkRef):
-                tree_refs[id(entry.segment)] = tree_refs.get(id(entry.segment), 0) + 1
+    for entry in sched.tree.entries():
+        if isinstance(entry, ChunkRef):
+            tree_refs[id(entry.segment)] = tree_refs.get(id(entry.segment), 0) + 1
     assert {id(seg): seg.refs for seg in store.live.values()} == tree_refs
     assert store.free_chunks + sum(seg.num_chunks for seg in store.live.values()) == store.chunk_capacity
     assert eng.flush_cache()

@@ -305,7 +305,10 @@ class Scheduler:
         return None if self.shadow is None else self.shadow.server_stats(self.running)
 
     def flush_cache(self) -> bool:
-        return self.tree.flush()
+        """Drop the prefix cache; refused (False) while any request is queued or running, as in
+        SGLang (a flush then would only throw away what they are about to reuse). A launched
+        step whose requests have all ended holds nothing: it does not count."""
+        return not (self.waiting or self.running or self.grammars.pending) and self.tree.flush()
 
     def server_info(self) -> dict:
         runner = self.runner

@@ -141,6 +141,19 @@ class ShadowKVManager:
         return request_report(self.store, self.decoder, req.shadow.layout, req.shadow.scratch_row,
                               dense_tokens, self.pool.bytes_per_token, req.num_computed)
 
+    def holders(self) -> dict:
+        """Who holds the compressed state, so that a leak shows: once idle, every segment, chunk
+        slot (one slot of each pool, host values included) and chunk reference is free or the
+        radix tree's, and every scratch row is free."""
+        in_tree = {id(e.segment): e.segment for e in self.tree.entries() if isinstance(e, ChunkRef)}
+        return {"segments": self.store.max_segments, "free_segments": self.store.free_segments,
+                "tree_segments": len(in_tree),
+                "chunk_slots": self.store.chunk_capacity, "free_chunk_slots": self.store.free_chunks,
+                "tree_chunk_slots": sum(seg.num_chunks for seg in in_tree.values()),
+                "chunk_refs": sum(seg.refs for seg in self.store.live.values()),
+                "tree_chunk_refs": self.tree.total_chunks,
+                "scratch_rows": self.decoder.max_rows, "free_scratch_rows": self.decoder.free_rows}
+
     def server_stats(self, running: list[Req]) -> dict:
         """Totals over running requests with a compressed prefix, the cache's compressed state,
         pool capacity, and the cumulative counters."""
@@ -157,7 +170,7 @@ class ShadowKVManager:
                                                "compressed_tokens_reused")}
         return {"config": dataclasses.asdict(self.cfg), "running_compressed_requests": len(reports),
                 "running_total": total, "per_request": {r.rid: rep for r, rep in zip(live, reports)},
-                "pools": self.store.capacity_bytes(),
+                "pools": self.store.capacity_bytes(), "holders": self.holders(),
                 "radix_cache": {"compressed_tokens": self.tree.total_chunks * self.cfg.chunk_size,
                                 "evictable_compressed_tokens": self.tree.evictable_chunks * self.cfg.chunk_size},
                 **counters}

@@ -93,6 +93,7 @@ class ShadowKVPool:
         self.chunk_pos = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self.chunk_basis = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self._free_slots = list(range(slots - 1, 0, -1))
+        self.max_segments = max_segments
         self._free_segments = list(range(max_segments - 1, -1, -1))
         self._free_out_blocks = list(range(out_blocks - 1, 0, -1))
         self.elt = torch.empty((), dtype=dtype).element_size()
