@@ -60,6 +60,7 @@ class Preset:
     multi_session: list[tuple[int, int, int, int]]  # (sessions S, context L, turns T, in flight C)
     answer_tokens: int  # output tokens of a question in shared_document / multi_session
     think_s: float  # multi_session: a user's pause between turns (uniform in [0, 2 think_s])
+    profile_steps: int = 0  # profile this many scheduler steps from the start of each timed phase
 
 
 PRESETS = {
@@ -150,7 +151,7 @@ async def scenario_decode(url: str, preset: Preset, context: int, requests: int,
     docs = [random_tokens(rng, context) for _ in range(requests)]
     await load_documents(url, docs)
     jobs = [(d + random_tokens(rng, QUESTION_TOKENS), preset.decode_tokens) for d in docs]
-    return await timed(url, lambda: run_all(url, jobs, concurrency=len(jobs)))
+    return await timed(url, preset, lambda: run_all(url, jobs, concurrency=len(jobs)))
 
 
 async def scenario_shared_document(url: str, preset: Preset, documents: int, context: int,
@@ -159,7 +160,7 @@ async def scenario_shared_document(url: str, preset: Preset, documents: int, con
     await load_documents(url, docs)
     jobs = [(d + random_tokens(rng, QUESTION_TOKENS), preset.answer_tokens) for d in docs for _ in range(questions)]
     random.Random(0).shuffle(jobs)
-    return await timed(url, lambda: run_all(url, jobs, concurrency=len(jobs)))
+    return await timed(url, preset, lambda: run_all(url, jobs, concurrency=len(jobs)))
 
 
 async def scenario_multi_session(url: str, preset: Preset, sessions: int, context: int, turns: int,
@@ -185,17 +186,24 @@ async def scenario_multi_session(url: str, preset: Preset, sessions: int, contex
             per_session = await asyncio.gather(*(session(i) for i in range(sessions)))
         return [r for rs in per_session for r in rs]
 
-    return await timed(url, run)
+    return await timed(url, preset, run)
 
 
-async def timed(url: str, run) -> dict:
-    """Run a workload; its metrics and the server counters it moved."""
+async def timed(url: str, preset: Preset, run) -> dict:
+    """Run a workload; its metrics, the server counters it moved and (profile_steps) the
+    server's profile of its first steps (/start_profile: the top ops by device time)."""
     before = server_info(url)
+    if preset.profile_steps:
+        httpx.post(url + "/start_profile", json={"num_steps": preset.profile_steps}, timeout=60).raise_for_status()
     t0 = time.perf_counter()
     results = await run()
     duration = time.perf_counter() - t0
     after = server_info(url)
-    return {**metrics(results, duration), "server": counter_delta(before, after)}
+    out = {**metrics(results, duration), "server": counter_delta(before, after)}
+    if preset.profile_steps:
+        profile = httpx.post(url + "/stop_profile", timeout=600).json()
+        out["profile"] = {**profile, "top_ops": profile.get("top_ops", [])[:15]}
+    return out
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -299,12 +307,28 @@ def graph_step_ms(rows: list[dict], attention: str, context: int, batch: int) ->
     return None
 
 
+def merge_reports(paths: list[str]) -> dict:
+    """One report from several runs of this script (e.g. one device call per case): the cases of
+    each mode side by side, each run's server startup kept with its cases."""
+    reports = []
+    for path in paths:
+        with open(path) as f:
+            reports.append(json.load(f))
+    merged = {**reports[0], "modes": {}, "merged_from": [os.path.basename(p) for p in paths]}
+    for report in reports:
+        for mode, data in report["modes"].items():
+            into = merged["modes"].setdefault(mode, {**data, "cases": {}})
+            for name, case in data["cases"].items():
+                into["cases"][name] = {**case, "startup": data["startup"]}
+    return merged
+
+
 def compare(report: dict, graph_rows: list[dict] | None) -> None:
     modes = report["modes"]
-    for name in next(iter(modes.values()))["cases"]:
-        per = {m: modes[m]["cases"].get(name) for m in modes}
+    for name in dict.fromkeys(n for m in modes.values() for n in m["cases"]):
+        per = {m: modes[m]["cases"][name] for m in modes if name in modes[m]["cases"]}
         if graph_rows is not None and name.startswith("decode/"):
-            L, N = per[next(iter(per))]["params"]
+            L, N = next(iter(per.values()))["params"]
             for mode, case in per.items():
                 step = graph_step_ms(graph_rows, mode, L, N)
                 case["graph_step_ms"] = step
@@ -352,15 +376,28 @@ def main(argv=None) -> dict:
     ap.add_argument("--attention", nargs="+", default=["full", "shadowkv"], choices=["full", "shadowkv"])
     ap.add_argument("--decode-cases", nargs="*", default=None, metavar="LxN",
                     help="override the preset's decode cases, e.g. 32768x8 65536x32")
+    ap.add_argument("--shared-document", nargs="*", default=None, metavar="DxLxN",
+                    help="override the preset's shared_document cases, e.g. 2x32768x16")
+    ap.add_argument("--multi-session", nargs="*", default=None, metavar="SxLxTxC",
+                    help="override the preset's multi_session cases, e.g. 72x16384x6x16")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="profile the first N scheduler steps of each case (torch.profiler via /start_profile)")
     ap.add_argument("--tokenizer-path", default=None, help="tokenizer folder for a random:* model")
     ap.add_argument("--server-args", default="", help="extra server flags for both modes (one string)")
     ap.add_argument("--graph-steps", default=None,
                     help="bench_throughput.py JSON of this session: adds graph_step_ms to decode cases")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="run nothing: merge these reports of earlier runs (and compare, print, write --out)")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT or benchmarks/results/serving_<preset>.json)")
     args = ap.parse_args(argv)
+    if args.merge:
+        return finish(merge_reports(args.merge), args)
     preset = PRESETS[args.preset]
-    if args.decode_cases is not None:
-        preset.decode_cases = [tuple(int(x) for x in c.split("x")) for c in args.decode_cases]
+    for name in ("decode_cases", "shared_document", "multi_session"):
+        given = getattr(args, name)
+        if given is not None:
+            setattr(preset, name, [tuple(int(x) for x in c.split("x")) for c in given])
+    preset.profile_steps = args.profile_steps
     extra = args.server_args.split()
     if args.tokenizer_path:
         extra += ["--tokenizer-path", args.tokenizer_path]
@@ -369,12 +406,17 @@ def main(argv=None) -> dict:
               "decode_tokens": preset.decode_tokens, "answer_tokens": preset.answer_tokens, "modes": {}}
     for attention in args.attention:
         report["modes"][attention] = run_mode(attention, preset, todo, extra)
+    return finish(report, args)
+
+
+def finish(report: dict, args) -> dict:
+    """Add the comparisons, write the JSON, print the table."""
     graph_rows = None
     if args.graph_steps:
         with open(args.graph_steps) as f:
             graph_rows = json.load(f)["rows"]
     compare(report, graph_rows)
-    out = args.out or os.path.join(os.environ.get("OUT", "benchmarks/results"), f"serving_{args.preset}.json")
+    out = args.out or os.path.join(os.environ.get("OUT", "benchmarks/results"), f"serving_{report['preset']}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(report, f, indent=1)

@@ -414,8 +414,8 @@ def describe_device(args) -> dict:
 
 
 def measure_full(args, context: int) -> dict:
-    """Full attention at batch 1 and at the largest batch whose KV fits; also the sizes the
-    ShadowKV runs derive their batches from."""
+    """Full attention at batch 1, at each --batches size that fits and at the largest batch whose
+    KV fits; also the sizes the ShadowKV runs derive their batches from."""
     loaded, gen = load(args)
     cfg, elem = loaded.config, 2 if CUDA else 4
     free = torch.cuda.mem_get_info()[0] - ACTIVATION_RESERVE if CUDA else 2 * GiB
@@ -424,7 +424,7 @@ def measure_full(args, context: int) -> dict:
     full_batch = int(free // (context * kv_bytes_per_token))
     out = {"rows": [], "breakdown": {}, "best": 0.0, "free_bytes": free,
            "host_bytes_per_token": {"auto": cfg.num_layers * cfg.kv_dim * elem, "int8": cfg.num_layers * cfg.kv_dim}}
-    for batch in sorted({1, full_batch}) if full_batch >= 1 else []:
+    for batch in sorted({1, full_batch} | {b for b in args.batches if b <= full_batch}) if full_batch >= 1 else []:
         runner, items = full_requests(loaded, full_backend(args), batch, context, gen)
         rate = best_rate(runner, items, args.steps)
         out["rows"].append({"method": "full", "context": context, "batch": batch, "largest_batch": full_batch,

@@ -23,3 +23,12 @@ def test_serving_benchmark_runs_both_modes(tmp_path):
     assert decode["server"]["counters"]["compressions"] == 0
     assert decode["server"]["counters"]["compressed_prefix_hits"] == 2
     assert decode["server"]["counters"]["prefill_tokens"] == 2 * bench_serving.QUESTION_TOKENS
+    # one device call per mode, merged afterwards: the same comparison
+    parts = []
+    for mode in ("full", "shadowkv"):
+        part = {**report, "modes": {mode: report["modes"][mode]}}
+        parts.append(tmp_path / f"{mode}.json")
+        parts[-1].write_text(json.dumps(part))
+    merged = bench_serving.main(["--merge", *map(str, parts), "--out", str(tmp_path / "merged.json")])
+    again = merged["modes"]["shadowkv"]["cases"]["decode/640x2"]
+    assert again["shadowkv_vs_full"] == decode["shadowkv_vs_full"] and again["startup"]["capacity"]

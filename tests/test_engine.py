@@ -49,6 +49,25 @@ def test_shared_prefix_is_reused_and_output_unchanged(engine):
     assert_pool_clean(engine)
 
 
+def test_requests_arriving_together_prefill_a_shared_document_once(engine):
+    """In-batch prefix caching: the first request prefills the document, the others wait for it
+    and reuse it from the radix cache; their answers are those of requests sent one by one."""
+    doc = " ".join(f"Fact {i}: the item number {i} is colored {['red', 'blue', 'green'][i % 3]}."
+                   for i in range(60))
+    prompts = [doc + f" Question: what color is item {i}?" for i in (3, 17, 29)]
+    engine.flush_cache()
+    singles = [engine.generate(p, GREEDY)["output_ids"] for p in prompts]
+    engine.flush_cache()
+    before = engine.get_server_info()["stats"]["prefill_tokens"]
+    outs = engine.generate(prompts, GREEDY)
+    prefilled = engine.get_server_info()["stats"]["prefill_tokens"] - before
+    doc_tokens = len(engine.tokenizer.encode(doc, add_special_tokens=False))
+    assert [o["meta_info"]["cached_tokens"] for o in outs][1:] >= [doc_tokens // 16 * 16 - 16] * 2
+    assert prefilled < doc_tokens + 3 * 40  # the document once, and each question
+    assert [o["output_ids"] for o in outs] == singles
+    assert_pool_clean(engine)
+
+
 def test_flush_is_refused_while_a_request_runs(engine):
     """Even one that matched no cached prefix (it holds the tree's root, not a node)."""
     from sglang_shadowkv.sampling_params import SamplingParams

@@ -83,3 +83,20 @@ def test_metrics_route_exists_only_when_enabled(tmp_path):
         assert TestClient(build_app(tm, ServerArgs())).get("/metrics").status_code == 404
     finally:
         tm.close()
+
+
+def test_profile_routes_profile_scheduler_steps(small_server, tmp_path):
+    """/start_profile (SGLang's route) profiles the next num_steps scheduler steps; /stop_profile
+    returns the per-step times and top ops, and the trace and table are on disk."""
+    url = small_server.url
+    bad = httpx.post(url + "/start_profile", json={"num_steps": 0}, timeout=30)
+    assert bad.status_code == 400 and "num_steps" in bad.json()["error"]["message"]
+    assert httpx.post(url + "/start_profile", json={"num_steps": 3, "output_dir": str(tmp_path)},
+                      timeout=30).status_code == 200
+    assert httpx.post(url + "/start_profile", json={}, timeout=30).status_code == 400  # one at a time
+    httpx.post(url + "/generate", json={"text": PROMPT, "sampling_params": GREEDY}, timeout=60).raise_for_status()
+    summary = httpx.post(url + "/stop_profile", timeout=120).json()
+    assert summary["steps"] == 3 and summary["ms_per_step"] > 0 and summary["top_ops"]
+    assert all(op["calls"] >= 1 for op in summary["top_ops"])
+    names = sorted(p.suffix for p in tmp_path.iterdir())
+    assert names == [".json", ".txt"]

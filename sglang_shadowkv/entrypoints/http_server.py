@@ -89,6 +89,23 @@ def build_app(tm: TokenizerManager, args: ServerArgs, alive=lambda: True,
             return PlainTextResponse("Cache flushed.")
         return PlainTextResponse("Cache not flushed: requests are running.", status_code=400)
 
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(request: Request):
+        """torch.profiler over the next num_steps scheduler steps (or until /stop_profile)."""
+        body = await json_body(request) if await request.body() else {}
+        result = await tm.control("start_profile", output_dir=body.get("output_dir"), num_steps=body.get("num_steps"))
+        if isinstance(result, dict):
+            raise ValueError(result["error"])
+        return PlainTextResponse(result)
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile():
+        """Ends the profile; returns its summary (per-step times, the top ops)."""
+        result = await tm.control("stop_profile", timeout=300.0)
+        if "error" in result:
+            raise ValueError(result["error"])
+        return json_response(result)
+
     @app.post("/abort_request")
     async def abort_request(request: Request):
         body = await json_body(request)

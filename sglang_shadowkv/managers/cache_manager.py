@@ -2,8 +2,10 @@
 
 A request is admitted only when the pool, counting what the radix cache could evict, can hold its
 prompt plus its full max_new_tokens: once running it never waits for memory and is never
-preempted. Those pages are reserved at admission and taken as the request grows. A finished or
-aborted request leaves its whole pages in the radix cache for later requests to reuse.
+preempted. Those pages are reserved at admission and taken as the request grows. A completed
+prompt's whole pages go to the radix cache at once (SGLang's cache_unfinished_req), so requests
+that wait for the same prefix reuse them while this one decodes; a finished or aborted request
+leaves the rest of its whole pages there too.
 
 With overlap scheduling a request may be released while a step that still writes its last token's
 K/V is queued on the device; that is safe because every later use of a released page is queued on
@@ -90,6 +92,20 @@ class CacheManager:
         req.reserved_pages -= take
         self.reserved_pages -= take
 
+    def cache_prompt(self, req: Req) -> None:
+        """The completed prompt's whole pages (dense or compressed) go to the radix cache now; the
+        request holds them there through a lock, like a matched prefix."""
+        whole = len(req.input_ids) // self.page_size
+        if whole <= req.num_borrowed:
+            return
+        tokens = req.input_ids[:whole * self.page_size]
+        present = self.tree.insert(tokens, req.pages[:whole])
+        req.duplicate_entries += req.pages[req.num_borrowed:present]  # cached meanwhile by another request
+        node = self.tree.match_prefix(tokens).node
+        self.tree.lock(node)
+        self.tree.unlock(req.last_node)
+        req.last_node, req.num_borrowed = node, whole
+
     # ---- release ------------------------------------------------------------------------------
     def release(self, req: Req) -> None:
         """Hand the request's computed whole pages (dense or compressed) to the radix cache and
@@ -99,7 +115,8 @@ class CacheManager:
         whole = req.num_computed // self.page_size
         tokens = req.all_ids[:whole * self.page_size]
         present = self.tree.insert(tokens, req.pages[:whole])
-        duplicates = req.pages[req.num_borrowed:present]  # cached meanwhile by another request
+        duplicates = req.duplicate_entries + req.pages[req.num_borrowed:present]  # cached meanwhile by another request
+        req.duplicate_entries = []
         self._release_entries(duplicates + req.pages[whole:])
         self.tree.unlock(req.last_node)
         self.table.free(req.pool_row)

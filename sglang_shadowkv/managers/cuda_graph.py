@@ -25,6 +25,7 @@ import torch
 
 from sglang_shadowkv.layers.attention.base import NO_GRAPH, ForwardBatch
 from sglang_shadowkv.mem_cache.kv_pool import to_device
+from sglang_shadowkv.mem_cache.memory_plan import free_gpu_bytes
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunner, StepItem
@@ -118,7 +119,7 @@ class DecodeGraphRunner:
         """Capture each (batch size, variant), largest first, in one memory pool: only one graph
         runs at a time, so their intermediate tensors can share memory."""
         runner, backend = self.runner, self.runner.backend
-        start, before = time.perf_counter(), torch.cuda.memory_reserved(runner.device)
+        start, before = time.perf_counter(), free_gpu_bytes(runner.device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(runner.device)
         for bs, variant in keys:
@@ -136,7 +137,7 @@ class DecodeGraphRunner:
             self.graphs[(bs, variant)] = graph
         torch.cuda.synchronize(runner.device)
         self.capture_seconds = time.perf_counter() - start
-        self.graph_bytes = torch.cuda.memory_reserved(runner.device) - before
+        self.graph_bytes = before - free_gpu_bytes(runner.device)
         logger.info("captured %d decode CUDA graphs (batch sizes %s, %d variants) in %.1f s, %.2f GiB",
                     len(self.graphs), self.batch_sizes, len(backend.graph_variants()),
                     self.capture_seconds, self.graph_bytes / 2**30)

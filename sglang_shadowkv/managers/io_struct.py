@@ -7,7 +7,7 @@ scheduler → tokenizer manager: ControlOut (answers to ControlReq)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_shadowkv.sampling_params import SamplingParams
@@ -31,7 +31,8 @@ class AbortReq:
 @dataclass
 class ControlReq:
     call_id: int
-    kind: str  # "flush_cache" | "server_info"
+    kind: str  # "flush_cache" | "server_info" | "start_profile" | "stop_profile"
+    args: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -12,7 +12,8 @@ from sglang_shadowkv.layers.attention.eviction_backend import (
     EVICTION_POLICIES, EvictionAttentionBackend, make_eviction_policy)
 from sglang_shadowkv.layers.attention.shadowkv_backend import ShadowKVAttentionBackend
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
-from sglang_shadowkv.mem_cache.memory_plan import available_host_bytes, documents_that_fit, plan_shadowkv_memory
+from sglang_shadowkv.mem_cache.memory_plan import (available_host_bytes, documents_that_fit, free_gpu_bytes,
+                                                   plan_shadowkv_memory)
 from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
 from sglang_shadowkv.models.loader import LoadedModel, load_model
 from sglang_shadowkv.server_args import ServerArgs
@@ -27,7 +28,7 @@ CPU_DEFAULT_POOL_TOKENS_PER_CONTEXT = 4  # CPU pool: this many full context wind
 # segments live in the radix cache beyond their requests: several per running request, and one
 # per SEGMENT_TOKENS of the pools' capacity (the documents the cache holds)
 SEGMENTS_PER_REQUEST = 4
-SEGMENT_TOKENS = 8192
+SEGMENT_TOKENS = 16384
 CPU_HOST_TOKENS_PER_CONTEXT = 4  # ShadowKV pools on a CPU: this many full context windows
 
 
@@ -96,6 +97,7 @@ class ModelRunner:
         self.shadow_cfg = self.shadow_pool = self.decoder = None
         bytes_per_token = 2 * cfg.num_layers * cfg.kv_dim * torch.empty((), dtype=self.dtype).element_size()
         self.shadow_dense_tokens = None  # the dense pool ShadowKV's memory plan leaves (GPU)
+        self.memory_plan: dict | None = None  # ShadowKV's split of GPU and host memory (GPU)
         if args.attention == "shadowkv":  # before the dense pool, which takes what memory is left
             self._build_shadowkv(args, bytes_per_token)
         tokens = args.max_total_tokens or self.shadow_dense_tokens or self._default_pool_tokens(args, bytes_per_token)
@@ -151,24 +153,27 @@ class ModelRunner:
         max_entries = skv.budget_chunks(self.context_length // skv.chunk_size)
         scratch = (2 * cfg.num_layers * (skv.max_requests + 1) * max_entries * skv.chunk_size * cfg.kv_dim
                    * torch.empty((), dtype=self.dtype).element_size())
-        free, _ = torch.cuda.mem_get_info(self.device)
-        plan = plan_shadowkv_memory(int(free * args.mem_fraction_static),
-                                    int(available_host_bytes() * args.shadowkv_host_mem_fraction),
-                                    dense_bytes_per_token, per_slot, unit["host_per_slot"], scratch,
-                                    self.context_length, args.max_running_requests)
+        gpu_budget = int(free_gpu_bytes(self.device) * args.mem_fraction_static)
+        host_available = available_host_bytes()
+        host_budget = int(host_available * args.shadowkv_host_mem_fraction)
+        plan = plan_shadowkv_memory(gpu_budget, host_budget, dense_bytes_per_token, per_slot, unit["host_per_slot"],
+                                    scratch, self.context_length, args.max_running_requests)
         if args.max_total_tokens is None:
             self.shadow_dense_tokens = plan.dense_tokens
         tokens = plan.chunk_slots * skv.chunk_size
+        self.memory_plan = {"gpu_budget_bytes": gpu_budget, "host_available_bytes": host_available,
+                            "host_budget_bytes": host_budget, "dense_tokens": plan.dense_tokens,
+                            "compressed_tokens": tokens, "limited_by": plan.limited_by}
         logger.info("ShadowKV memory: %d dense tokens, %d compressed tokens (%.1f GiB GPU, %.1f GiB page-locked "
                     "host; bound by the %s); documents that fit: %s", plan.dense_tokens, tokens,
                     plan.chunk_slots * per_slot / 2**30, plan.chunk_slots * unit["host_per_slot"] / 2**30,
-                    plan.limited_by, documents_that_fit(plan.dense_tokens, tokens))
+                    plan.limited_by, documents_that_fit(plan.dense_tokens, tokens, tokens // SEGMENT_TOKENS))
         return tokens
 
     def _default_pool_tokens(self, args: ServerArgs, bytes_per_token: int) -> int:
         if self.device.type != "cuda":
             return CPU_DEFAULT_POOL_TOKENS_PER_CONTEXT * self.context_length
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free = free_gpu_bytes(self.device)
         return int(free * args.mem_fraction_static) // bytes_per_token
 
     def init_decode_graphs(self, max_bs: int, capture: bool, only_for: list[StepItem] | None = None) -> None:

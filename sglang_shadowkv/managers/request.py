@@ -29,7 +29,8 @@ class Req:
     # token i lives in pages[i // page_size]: a dense page id or a compressed ChunkRef
     pages: list = field(default_factory=list)
     num_borrowed: int = 0  # leading entries that belong to the radix tree (the matched prefix)
-    last_node: TreeNode | None = None  # locked radix node of the matched prefix
+    last_node: TreeNode | None = None  # locked radix node of the matched prefix (then of the prompt)
+    duplicate_entries: list = field(default_factory=list)  # own copies of entries another request cached first
     cached_tokens: int = 0  # prompt tokens reused from the radix cache
     num_computed: int = 0  # tokens whose K/V are in the pool
     reserved_pages: int = 0  # pages promised at admission, not yet allocated

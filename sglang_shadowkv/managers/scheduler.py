@@ -40,6 +40,26 @@ from .request import Req
 
 logger = logging.getLogger(__name__)
 
+SHARED_PREFILL_TOKENS = 256  # a shared prefix at least this long (and most of a prompt) is worth waiting for
+
+
+def shares_prefill(req: Req, prefilling: Req) -> bool:
+    """Whether most of req's prompt is what `prefilling` computes now (past its cached prefix),
+    and at least SHARED_PREFILL_TOKENS of it: then req waits for that prefill and reuses it."""
+    shared = common_prefix_len(req.input_ids, prefilling.input_ids) - prefilling.cached_tokens
+    return shared >= SHARED_PREFILL_TOKENS and 2 * shared >= len(req.input_ids) - prefilling.cached_tokens
+
+
+def common_prefix_len(a: list[int], b: list[int], block: int = 1024) -> int:
+    n = min(len(a), len(b))
+    pos = 0
+    while pos < n and a[pos:pos + block] == b[pos:pos + block]:
+        pos += block
+    end = min(pos + block, n)
+    while pos < end and a[pos] == b[pos]:
+        pos += 1
+    return min(pos, n)
+
 
 @dataclass
 class ReqUpdate:
@@ -165,19 +185,29 @@ class Scheduler:
         return updates
 
     def _admit(self) -> None:
+        """Admit waiting requests in order while memory allows. One that shares a long prefix
+        with a prompt still being prefilled waits for it (SGLang's in-batch prefix caching): that
+        prompt goes to the radix cache when it completes, so a shared document is prefilled (and
+        compressed) once however many of its requests arrive together."""
+        prefilling = [r for r in self.running if not r.prompt_done]
+        deferred = []
         while self.waiting and len(self.running) < self.args.max_running_requests:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
+            if any(shares_prefill(req, other) for other in prefilling):
+                deferred.append(req)
+                continue
             admitted = self.cache.try_admit(req)
             if not admitted:
                 if self.shadow is not None and not self.running and self.pending is None:
                     # nothing running will free the compressed pools: this request can never start
-                    self.waiting.popleft()
                     req.finish_reason = {"type": "abort", "message": "the ShadowKV pools are full"}
                     self.rejected.append(req)
                     continue
+                self.waiting.appendleft(req)
                 break  # wait for running requests to finish
-            self.waiting.popleft()
             self.running.append(req)
+            prefilling.append(req)
+        self.waiting.extendleft(reversed(deferred))
 
     def _schedule(self) -> tuple[list[StepItem], list[Req]]:
         """The next step's work: one decode token per request that may still sample, and prompt
@@ -218,6 +248,7 @@ class Scheduler:
             if was_prompt and req.prompt_done:
                 if req.shadow is not None:
                     self.shadow.on_prompt_done(req)
+                self.cache.cache_prompt(req)
                 if not req.may_sample:
                     prompts_done.append(req)
                     if req.logprob is not None:  # SGLang scores the next token all the same
@@ -335,7 +366,9 @@ class Scheduler:
         ShadowKV) compressed."""
         store = self.runner.shadow_pool
         compressed = None if store is None else store.chunk_capacity * store.chunk_size
-        return documents_that_fit(self.pool.capacity * self.page_size, compressed)
+        fit = documents_that_fit(self.pool.capacity * self.page_size, compressed,
+                                 None if store is None else store.max_segments)
+        return fit if self.runner.memory_plan is None else {**fit, "memory_plan": self.runner.memory_plan}
 
     def memory_stats(self) -> dict:
         return self.cache.memory_stats(self.running)

@@ -23,6 +23,7 @@ from .detokenizer import meta_info
 from .io_struct import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
 from .request import Req
 from .scheduler import Scheduler
+from .step_profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class SchedulerLoop:
         self.to_tokenizer_manager = context.socket(zmq.PUSH)
         self.to_tokenizer_manager.connect(paths.tokenizer_manager)
         self.reqs: dict[str, Req] = {}
+        self.profiler = StepProfiler()
 
     def run(self) -> None:
         while True:
@@ -101,14 +103,19 @@ class SchedulerLoop:
             if req is not None and self.scheduler.abort(msg.rid):
                 return [token_out(req, [], True)]
         elif isinstance(msg, ControlReq):
-            result = {"flush_cache": self.scheduler.flush_cache,
-                      "server_info": self.scheduler.server_info}[msg.kind]()
+            calls = {"flush_cache": self.scheduler.flush_cache, "server_info": self.scheduler.server_info,
+                     "start_profile": self.profiler.start, "stop_profile": self.profiler.stop}
+            try:
+                result = calls[msg.kind](**msg.args)
+            except ValueError as err:  # bad arguments: the route answers 400 with the message
+                result = {"error": str(err)}
             self.to_tokenizer_manager.send_pyobj(ControlOut(msg.call_id, result))
         return []
 
     def _step(self) -> list[TokenOut]:
         try:
             updates = self.scheduler.step()
+            self.profiler.after_step()
         except Exception as err:  # a bug must not take the server down: fail the running requests
             logger.exception("scheduler step failed; aborting the running requests")
             outs = []

@@ -142,12 +142,12 @@ class TokenizerManager:
     async def abort(self, rid: str) -> None:
         await self.to_scheduler.send_pyobj(AbortReq(rid))
 
-    async def control(self, kind: str, timeout: float = 60.0):
+    async def control(self, kind: str, timeout: float = 60.0, **args):
         self._check_available()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self.calls[call_id] = future
-        await self.to_scheduler.send_pyobj(ControlReq(call_id, kind))
+        await self.to_scheduler.send_pyobj(ControlReq(call_id, kind, args))
         try:
             return await asyncio.wait_for(future, timeout)
         finally:

@@ -11,11 +11,14 @@ what the machine has available; the chunk slots are what both sides can hold.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
-DENSE_CONTEXTS = 2  # long prompts prefilling at once (dense until compressed)
-DENSE_TAIL_TOKENS = 1024  # per running request: its dense window and generated tokens
+import torch
+
+DENSE_CONTEXTS = 1  # long prompts prefilling at once (dense until compressed; others wait their turn)
+DENSE_TAIL_TOKENS = 512  # per running request: its dense window, question and generated tokens
 OUTLIER_BYTES_SHARE = 0.05  # of the compressed GPU budget, for segment bases and outliers
 DOCUMENT_SIZES = (16384, 32768, 131072)  # the sizes capacity reports count
 
@@ -39,6 +42,14 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def free_gpu_bytes(device: torch.device) -> int:
+    """Free device memory, counting what torch's allocator caches but no tensor uses (loading
+    leaves gigabytes of such blocks; without this the pools would be sized without them)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
 def plan_shadowkv_memory(gpu_budget: int, host_budget: int, dense_bytes_per_token: int,
                          gpu_bytes_per_slot: int, host_bytes_per_slot: int, scratch_bytes: int,
                          context_length: int, max_running_requests: int) -> ShadowKVMemory:
@@ -56,12 +67,13 @@ def plan_shadowkv_memory(gpu_budget: int, host_budget: int, dense_bytes_per_toke
                           "gpu" if gpu_slots <= host_slots else "host")
 
 
-def documents_that_fit(dense_tokens: int, compressed_tokens: int | None) -> dict:
-    """How many documents of each size the pools hold at once: dense, and compressed."""
+def documents_that_fit(dense_tokens: int, compressed_tokens: int | None, segments: int | None = None) -> dict:
+    """How many documents of each size the pools hold at once: dense, and compressed (a document
+    takes one segment per segment_tokens)."""
     out = {}
     for size in DOCUMENT_SIZES:
         row = {"dense": dense_tokens // size}
         if compressed_tokens is not None:
-            row["compressed"] = compressed_tokens // size
+            row["compressed"] = min(compressed_tokens // size, segments or compressed_tokens)
         out[str(size)] = row
     return out

@@ -1,28 +1,33 @@
-"""Prefill of a suffix over a compressed prefix, without bringing the prefix back dense.
+"""Prefill of suffixes over compressed prefixes, without bringing a prefix back dense.
 
 A question over a cached document, or a chat's next turn, prefills a short suffix that attends to
-the whole compressed document. Per layer and request, its attention is split in two parts merged
-by log-sum-exp (exact: softmax over the union of disjoint key sets):
+the whole compressed document. A step's suffixes are served together: every layer runs a fixed
+number of batched operations for all of them, however many requests there are. Each query's
+attention is split in two parts merged by log-sum-exp (exact: softmax over the union of disjoint
+key sets):
+- the dense tokens: each prefix's dense spans and the suffix itself, causally, for every suffix
+  in one ragged kernel call (the dense tokens are the last of each key list, so its causal rule
+  holds).
 - the compressed chunks, read the way decode reads them: per tile of TILE suffix queries, the
   landmark softmax mass summed over the tile's queries (max over each KV group) picks the budget's
   best chunks per KV head; their keys are rebuilt and values fetched into the request's own
   chunk-cache scratch, and the tile's queries attend them and the outlier chunks exactly (one
-  matmul per KV head: the tile's queries share those keys). A tile
-  per 64 queries (not one selection for the whole suffix, as the ShadowKV reference does) lets a
-  long question that touches several parts of the document find them all. An `exact` request
-  (a suffix longer than shadowkv_sparse_prefill_max, or one that asks for prompt logprobs)
-  attends every chunk instead, streamed through the scratch a scratch-full at a time: never the
-  whole document dense at once.
-- the dense tokens: the prefix's dense spans and the suffix itself, causally (the ragged prefill
-  kernel; the dense tokens are the last of that key list, so its causal rule holds).
+  batched matmul: a tile's queries share those keys). A tile per 64 queries (not one selection
+  for the whole suffix, as the ShadowKV reference does) lets a long question that touches several
+  parts of the document find them all. Round k serves the k-th tile of every suffix that has one,
+  so a step of short questions is one round. An `exact` request (a suffix longer than
+  shadowkv_sparse_prefill_max, or one that asks for prompt logprobs) attends every chunk instead,
+  streamed through its scratch a scratch-full at a time: never the whole document dense at once.
 The scratch ends holding the last tile's selection: the request's decode starts from it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from kernels import ragged_paged_attention as rpa
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
@@ -31,6 +36,7 @@ from .decode import SparseDecoder
 from .request_state import CompressedLayout, pad_outliers
 
 TILE = 64  # suffix queries that share one chunk selection
+WORK_BYTES = 1 << 29  # float32 scores a batched selection or attention may hold at once
 
 
 @dataclass
@@ -44,105 +50,144 @@ class SuffixRequest:
 
 
 @dataclass
-class SuffixPlan:
-    """What every layer needs for one request's suffix chunk."""
-    req: SuffixRequest
-    q_rows: tuple[int, int]  # the chunk's rows of the step's queries
-    rows: torch.Tensor  # [1] int32 scratch row
-    chunk_slots: torch.Tensor  # [1, N] int32
-    outliers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # [1, Hkv, O] blocks, lo, hi
-    budgets: torch.Tensor  # [1]
+class SuffixRound:
+    """Tiles of several requests attended together (one tile each)."""
+    q_index: torch.Tensor  # [R, t] long: the tiles' rows among the step's suffix queries (padded)
+    q_valid: torch.Tensor  # [R, t] bool
+    take: tuple[torch.Tensor, torch.Tensor]  # the valid tile rows: their flat positions in [R * t], their query rows
+    rows: torch.Tensor  # [R] int32 scratch rows
+    chunk_slots: torch.Tensor  # [R, N] int32 (0-padded: slot 0 is never selectable)
+    outliers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # [R, Hkv, O] blocks, lo, hi
+    budgets: torch.Tensor  # [R]
     top_k: int
-    dense_indptr: torch.Tensor  # [2] int32 over dense_slots
-    dense_slots: torch.Tensor  # slots of the dense spans, then of [compressed_end, seq_len)
-    q_indptr: torch.Tensor  # [2] int32
+    exact: bool  # one request, every chunk, streamed
+
+
+@dataclass
+class SuffixPlan:
+    """What every layer needs for a step's suffixes."""
+    q_rows: torch.Tensor  # [T] long: the step's query rows that belong to suffixes, request by request
+    q_indptr: torch.Tensor  # [R + 1] int32 over q_rows
+    dense_indptr: torch.Tensor  # [R + 1] int32 over dense_slots
+    dense_slots: torch.Tensor  # per request: slots of its dense spans, then of [compressed_end, seq_len)
+    rounds: list[SuffixRound]
 
 
 class SuffixPrefill:
     def __init__(self, decoder: SparseDecoder, use_triton: bool):
         self.decoder, self.use_triton = decoder, use_triton
 
-    def plan(self, table: ReqToTokenPool, req: SuffixRequest, q_rows: tuple[int, int]) -> SuffixPlan:
-        dev, lay = self.decoder.pool.device, req.layout
-        spans = [*lay.dense_spans, (lay.compressed_end, req.seq_len)]
-        dense_slots = table.span_slots(*map(list, zip(*[(req.table_row, a, b) for a, b in spans])))
-        n_dense = sum(b - a for a, b in spans)
-        budget = self.decoder.cfg.budget_chunks(lay.num_chunks - lay.num_outliers)
-        ints = dict(dtype=torch.int32)
-        return SuffixPlan(
-            req, q_rows, torch.tensor([req.scratch_row], **ints, device=dev), lay.chunk_slots.int()[None],
-            pad_outliers([lay], self.decoder.pool.num_kv_heads, dev),
-            torch.tensor([budget], device=dev), budget,
-            to_device(torch.tensor([0, n_dense], **ints), dev), dense_slots,
-            to_device(torch.tensor([0, q_rows[1] - q_rows[0]], **ints), dev))
+    # ---- once per step ------------------------------------------------------------------------
+    def plan(self, table: ReqToTokenPool, reqs: list[SuffixRequest], q_starts: list[int]) -> SuffixPlan:
+        """reqs and where each one's queries start among the step's rows (q_starts[i])."""
+        dev, ints = self.decoder.pool.device, dict(dtype=torch.int32)
+        n_q = [r.seq_len - r.start for r in reqs]
+        spans = [(r.table_row, a, b) for r in reqs for a, b in [*r.layout.dense_spans, (r.layout.compressed_end, r.seq_len)]]
+        n_dense = [sum(b - a for a, b in [*r.layout.dense_spans, (r.layout.compressed_end, r.seq_len)]) for r in reqs]
+        offsets = [0, *torch.tensor(n_q).cumsum(0).tolist()]
+        q_rows = torch.cat([torch.arange(s, s + n) for s, n in zip(q_starts, n_q)])
+        rounds = []
+        sparse = [i for i, r in enumerate(reqs) if not r.exact]
+        for k in range(max((math.ceil(n_q[i] / TILE) for i in sparse), default=0)):
+            members = [i for i in sparse if n_q[i] > k * TILE]
+            rounds.append(self._round(reqs, members, [offsets[i] + k * TILE for i in members],
+                                      [min(TILE, n_q[i] - k * TILE) for i in members], TILE, False))
+        for i, r in enumerate(reqs):
+            if r.exact:
+                rounds.append(self._round(reqs, [i], [offsets[i]], [n_q[i]], n_q[i], True))
+        return SuffixPlan(to_device(q_rows, dev), to_device(torch.tensor(offsets, **ints), dev),
+                          to_device(torch.tensor([0, *torch.tensor(n_dense).cumsum(0).tolist()], **ints), dev),
+                          table.span_slots(*map(list, zip(*spans))), rounds)
 
+    def _round(self, reqs: list[SuffixRequest], members: list[int], firsts: list[int], counts: list[int],
+               width: int, exact: bool) -> SuffixRound:
+        dev, decoder = self.decoder.pool.device, self.decoder
+        q_index = torch.tensor(firsts)[:, None] + torch.arange(width)
+        q_valid = torch.arange(width) < torch.tensor(counts)[:, None]
+        layouts = [reqs[i].layout for i in members]
+        budgets = [decoder.cfg.budget_chunks(lay.num_chunks - lay.num_outliers) for lay in layouts]
+        slots = pad_sequence([lay.chunk_slots.int() for lay in layouts], batch_first=True)
+        flat = torch.arange(q_index.numel()).view_as(q_index)
+        take = (to_device(flat[q_valid], dev), to_device(q_index[q_valid], dev))  # here: no device sync
+        return SuffixRound(to_device(torch.where(q_valid, q_index, q_index[:, :1]), dev), to_device(q_valid, dev), take,
+                           to_device(torch.tensor([reqs[i].scratch_row for i in members], dtype=torch.int32), dev),
+                           slots.to(dev), pad_outliers(layouts, decoder.pool.num_kv_heads, dev),
+                           to_device(torch.tensor(budgets), dev), max(budgets), exact)
+
+    # ---- per layer ----------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, layer: int, plan: SuffixPlan, kv_pool: PagedKVPool) -> torch.Tensor:
-        """q [T, Hq, D]: the chunk's queries -> their attention output [T, Hq, D]."""
-        dense_out, dense_lse = self._dense(q, layer, plan, kv_pool)
-        decoder = self.decoder
-        outliers = decoder.live_outliers(layer, *plan.outliers)
-        pieces = self._exact_pieces(layer, plan) if plan.req.exact else None
-        out = torch.empty_like(q)
-        for t0 in range(0, q.shape[0], q.shape[0] if pieces is not None else TILE):
-            qt = q[t0:t0 + TILE] if pieces is None else q
-            o, lse = dense_out[t0:t0 + qt.shape[0]].float(), dense_lse[t0:t0 + qt.shape[0]]
-            for k, selected in enumerate(pieces if pieces is not None else [self._select(qt, layer, plan)]):
-                entries = decoder.fetch_selected(layer, plan.rows, selected)
-                first = k == 0  # outliers once, with the first piece
-                part, part_lse = self._compressed(qt, layer, outliers if first else torch.full_like(outliers, -1),
-                                                  plan.req.scratch_row, entries)
-                o, lse = merge(o, lse, part, part_lse)
-            out[t0:t0 + qt.shape[0]] = o.to(q.dtype)
-        return out
+        """q [T, Hq, D]: the suffixes' queries (rows plan.q_rows of the step) -> their attention
+        output [T, Hq, D]."""
+        out, lse = self._dense(q, layer, plan, kv_pool)
+        out = out.float()
+        for rnd in plan.rounds:
+            qt = q[rnd.q_index]  # [R, t, Hq, D]
+            o, o_lse = out[rnd.q_index], lse[rnd.q_index]
+            outliers = self.decoder.live_outliers(layer, *rnd.outliers)
+            pieces = self._exact_pieces(layer, rnd) if rnd.exact else [self._select(qt, rnd, layer)]
+            for k, selected in enumerate(pieces):
+                entries = self.decoder.fetch_selected(layer, rnd.rows, selected)
+                part, part_lse = self._compressed(qt, layer, outliers if k == 0 else torch.full_like(outliers, -1),
+                                                  rnd.rows, entries)  # outliers once, with the first piece
+                o, o_lse = merge(o, o_lse, part, part_lse)
+            src, dst = rnd.take
+            out[dst], lse[dst] = o.flatten(0, 1)[src], o_lse.flatten(0, 1)[src]
+        return out.to(q.dtype)
 
-    def _select(self, qt: torch.Tensor, layer: int, plan: SuffixPlan) -> torch.Tensor:
-        """[1, Hkv, max_entries] the tile's chunks: landmark mass summed over its queries."""
-        t, h = qt.shape[0], self.decoder.pool.num_kv_heads
-        slots = plan.chunk_slots.expand(t, -1).contiguous()
-        logits = self.decoder.landmark_logits(qt, layer, slots).view(t, h, -1, slots.shape[1])
-        mass = logits.softmax(-1).amax(2).sum(0)
-        mass = mass.masked_fill(logits[0, :, 0].isinf(), -1.0)
-        return self.decoder.select(mass[None], plan.chunk_slots, plan.budgets, plan.top_k)
+    def _select(self, qt: torch.Tensor, rnd: SuffixRound, layer: int) -> torch.Tensor:
+        """[R, Hkv, max_entries] each tile's chunks: landmark mass summed over its queries."""
+        r, t, hq, _ = qt.shape
+        h, n = self.decoder.pool.num_kv_heads, rnd.chunk_slots.shape[1]
+        masses = []
+        for a, b in _groups(r, t * hq * n * 4):
+            slots = rnd.chunk_slots[a:b].repeat_interleave(t, 0)
+            logits = self.decoder.landmark_logits(qt[a:b].flatten(0, 1), layer, slots).view(b - a, t, h, -1, n)
+            probs = logits.softmax(-1).amax(3) * rnd.q_valid[a:b, :, None, None]  # [r, t, Hkv, N]
+            masses.append(probs.sum(1).masked_fill(logits[:, 0, :, 0].isinf(), -1.0))
+        return self.decoder.select(torch.cat(masses), rnd.chunk_slots, rnd.budgets, rnd.top_k)
 
-    def _exact_pieces(self, layer: int, plan: SuffixPlan) -> list[torch.Tensor]:
-        """Every selectable chunk, as [1, Hkv, max_entries] pieces that fit the scratch."""
-        decoder = self.decoder
-        slots = plan.chunk_slots[0].long()
-        ok = decoder.pool.selectable[layer][slots].T.bool()  # [Hkv, N]
+    def _exact_pieces(self, layer: int, rnd: SuffixRound) -> list[torch.Tensor]:
+        """Every selectable chunk of the round's one request, as [1, Hkv, max_entries] pieces that
+        fit the scratch."""
+        slots = rnd.chunk_slots[0].long()
+        ok = self.decoder.pool.selectable[layer][slots].T.bool()  # [Hkv, N]
         per_head = torch.where(ok, slots, -1)
-        size = decoder.max_entries
-        pieces = []
-        for a in range(0, slots.numel(), size):
-            piece = per_head[:, a:a + size]
-            pieces.append(torch.nn.functional.pad(piece, (0, size - piece.shape[1]), value=-1)[None])
-        return pieces
+        size = self.decoder.max_entries
+        return [torch.nn.functional.pad(per_head[:, a:a + size], (0, size - per_head[:, a:a + size].shape[1]),
+                                        value=-1)[None] for a in range(0, slots.numel(), size)]
 
-    def _compressed(self, qt: torch.Tensor, layer: int, outliers: torch.Tensor, row: int,
+    def _compressed(self, qt: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,
                     entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of the tile's queries [t, Hq, D] over the outliers [1, Hkv, O] and the scratch
-        entries [1, Hkv, K] of one request: (output [t, Hq, D] float32, lse [t, Hq]). The queries
-        share their keys, so each KV head's keys are gathered once and scored as one matmul."""
+        """Attention of the tiles' queries qt [R, t, Hq, D] over each request's outliers [R, Hkv, O]
+        and scratch entries [R, Hkv, K]: (output [R, t, Hq, D] float32, lse [R, t, Hq]). A tile's
+        queries share their keys, so each KV head's keys are gathered once and scored as one
+        matmul; long tiles (exact requests) are scored a block of queries at a time."""
         decoder, pool = self.decoder, self.decoder.pool
-        t, hq, d = qt.shape
+        r, t, hq, d = qt.shape
         h, c = pool.num_kv_heads, pool.chunk_size
-        heads = torch.arange(h, device=qt.device)[:, None]
+        g = hq // h
 
-        def gather(blocks_k, blocks_v, ids):  # ids [Hkv, n] (-1: none) -> keys/values [Hkv, n * c, D], valid
+        def gather(ids, fetch):  # ids [R, Hkv, n] (-1: none) -> [R, Hkv, n * c, D] float32, valid
             safe = ids.clamp(min=0).long()
-            valid = (ids >= 0)[:, :, None].expand(-1, -1, c).reshape(h, -1)
-            return blocks_k(safe).reshape(h, -1, d), blocks_v(safe).reshape(h, -1, d), valid
+            return fetch(safe).reshape(r, h, -1, d).float(), (ids >= 0).repeat_interleave(c, dim=2)
 
-        ok, ov, o_valid = gather(lambda i: pool.outlier_k[layer][i], lambda i: pool.outlier_v[layer][i], outliers[0])
-        sk, sv, s_valid = gather(lambda i: decoder.scratch_k[layer][row][heads, i],
-                                 lambda i: decoder.scratch_v[layer][row][heads, i], entries[0])
-        keys, values = torch.cat([ok, sk], 1).float(), torch.cat([ov, sv], 1).float()
-        valid = torch.cat([o_valid, s_valid], 1)
-        q = qt.float().view(t, h, hq // h, d).permute(1, 0, 2, 3).reshape(h, -1, d)  # [Hkv, t * G, D]
-        scores = (q @ keys.transpose(1, 2) * d ** -0.5).masked_fill(~valid[:, None, :], float("-inf"))
-        lse = scores.logsumexp(-1)  # [Hkv, t * G]; -inf where a head has no keys
-        probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
-        out = (probs @ values).view(h, t, hq // h, d).permute(1, 0, 2, 3).reshape(t, hq, d)
-        return out, lse.view(h, t, hq // h).permute(1, 0, 2).reshape(t, hq)
+        heads, long_rows = torch.arange(h, device=qt.device)[None, :, None], rows.long()[:, None, None]
+        ok, o_valid = gather(outliers, lambda i: pool.outlier_k[layer][i])
+        ov, _ = gather(outliers, lambda i: pool.outlier_v[layer][i])
+        sk, s_valid = gather(entries, lambda i: decoder.scratch_k[layer][long_rows, heads, i])
+        sv, _ = gather(entries, lambda i: decoder.scratch_v[layer][long_rows, heads, i])
+        keys, values = torch.cat([ok, sk], 2), torch.cat([ov, sv], 2)
+        invalid = ~torch.cat([o_valid, s_valid], 2)[:, :, None, :]
+        q = qt.float().view(r, t, h, g, d).permute(0, 2, 1, 3, 4).reshape(r, h, t * g, d)  # [R, Hkv, t * G, D]
+        out, lse = torch.empty_like(q), q.new_empty(r, h, t * g)
+        block = max(g, WORK_BYTES // (4 * r * h * keys.shape[2]) // g * g)
+        for a in range(0, t * g, block):
+            scores = (q[:, :, a:a + block] @ keys.transpose(2, 3) * d ** -0.5).masked_fill(invalid, float("-inf"))
+            lse[:, :, a:a + block] = part_lse = scores.logsumexp(-1)  # -inf where a head has no keys
+            probs = torch.exp(scores - part_lse.nan_to_num(neginf=0.0)[..., None])
+            out[:, :, a:a + block] = probs @ values
+        out = out.view(r, h, t, g, d).permute(0, 2, 1, 3, 4).reshape(r, t, hq, d)
+        return out, lse.view(r, h, t, g).permute(0, 2, 1, 3).reshape(r, t, hq)
 
     def _dense(self, q, layer, plan, kv_pool):
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
@@ -152,9 +197,15 @@ class SuffixPrefill:
         return out, lse
 
 
+def _groups(count: int, bytes_each: int) -> list[tuple[int, int]]:
+    """Slices of count items, each holding at most WORK_BYTES (at least one item)."""
+    step = max(1, WORK_BYTES // max(1, bytes_each))
+    return [(a, min(a + step, count)) for a in range(0, count, step)]
+
+
 def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
-    """Attention over the union of two disjoint key sets from each set's output [T, H, D] and
-    log-sum-exp [T, H] (float32; a set with no keys has lse -inf and contributes nothing)."""
+    """Attention over the union of two disjoint key sets from each set's output [..., H, D] and
+    log-sum-exp [..., H] (float32; a set with no keys has lse -inf and contributes nothing)."""
     m = torch.maximum(lse1, lse2)
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
     total = w1 + w2

@@ -56,9 +56,9 @@ class ShadowKVAttentionBackend(AttentionBackend):
             self.sparse_rows = batch.q_indptr[sparse].long()  # each request's only token
             self.plan = self.decoder.plan_step(self.req_to_token, [self._sparse_request(batch, i) for i in sparse])
         q_starts = [0, *itertools.accumulate(batch.extend_lens)]
-        self.suffix_plans: list[SuffixPlan] = [self.suffix.plan(self.req_to_token, SuffixRequest(
+        self.suffix_plan: SuffixPlan | None = self.suffix.plan(self.req_to_token, [SuffixRequest(
             batch.pool_rows[i], shadow[i].scratch_row, shadow[i].layout, batch.seq_lens[i] - batch.extend_lens[i],
-            batch.seq_lens[i], shadow[i].exact_prefill), (q_starts[i], q_starts[i + 1])) for i in suffix]
+            batch.seq_lens[i], shadow[i].exact_prefill) for i in suffix], [q_starts[i] for i in suffix]) if suffix else None
         self.to_compress = [(batch.pool_rows[i], st) for i, st in enumerate(shadow)
                             if st is not None and st.compress_now]
 
@@ -97,12 +97,12 @@ class ShadowKVAttentionBackend(AttentionBackend):
         reqs = [self._sparse_request(batch, i) for i in range(batch.batch_size)]
         self.plan = self.decoder.plan_step(self.req_to_token, reqs, width=variant, static=True)
         self.dense_batch = self.dense_rows = self.sparse_rows = None
-        self.suffix_plans, self.to_compress = [], []
+        self.suffix_plan, self.to_compress = None, []
 
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         if self.dense_batch is not None and self.dense_rows is None:  # every row is dense
             out = self.dense.attend(q, layer, self.dense_batch)
-        elif self.plan is not None and self.dense_batch is None and not self.suffix_plans:  # all decode sparsely
+        elif self.plan is not None and self.dense_batch is None and self.suffix_plan is None:  # all decode sparsely
             out = self.decoder.attend(q, layer, self.plan, self.pool)
         else:
             out = torch.empty_like(q)
@@ -110,9 +110,9 @@ class ShadowKVAttentionBackend(AttentionBackend):
                 out[self.dense_rows] = self.dense.attend(q[self.dense_rows], layer, self.dense_batch)
             if self.plan is not None:
                 out[self.sparse_rows] = self.decoder.attend(q[self.sparse_rows], layer, self.plan, self.pool)
-            for plan in self.suffix_plans:
-                a, b = plan.q_rows
-                out[a:b] = self.suffix.attend(q[a:b], layer, plan, self.pool)
+            if self.suffix_plan is not None:
+                rows = self.suffix_plan.q_rows
+                out[rows] = self.suffix.attend(q[rows], layer, self.suffix_plan, self.pool)
         for row, st in self.to_compress:
             self._compress_layer(row, st.segment, layer)
         return out
