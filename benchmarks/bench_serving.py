@@ -60,7 +60,7 @@ class Preset:
     multi_session: list[tuple[int, int, int, int]]  # (sessions S, context L, turns T, in flight C)
     answer_tokens: int  # output tokens of a question in shared_document / multi_session
     think_s: float  # multi_session: a user's pause between turns (uniform in [0, 2 think_s])
-    profile_steps: int = 0  # profile this many scheduler steps from the start of each timed phase
+    profile_steps: int = 0  # profile this many scheduler steps of a second run of each case
 
 
 PRESETS = {
@@ -190,17 +190,18 @@ async def scenario_multi_session(url: str, preset: Preset, sessions: int, contex
 
 
 async def timed(url: str, preset: Preset, run) -> dict:
-    """Run a workload; its metrics, the server counters it moved and (profile_steps) the
-    server's profile of its first steps (/start_profile: the top ops by device time)."""
+    """Run a workload; its metrics and the server counters it moved. With profile_steps, the
+    workload then runs once more with the server profiling its first steps (/start_profile; the
+    profiler's overhead and its trace export stay out of the measured run)."""
     before = server_info(url)
-    if preset.profile_steps:
-        httpx.post(url + "/start_profile", json={"num_steps": preset.profile_steps}, timeout=60).raise_for_status()
     t0 = time.perf_counter()
     results = await run()
     duration = time.perf_counter() - t0
     after = server_info(url)
     out = {**metrics(results, duration), "server": counter_delta(before, after)}
     if preset.profile_steps:
+        httpx.post(url + "/start_profile", json={"num_steps": preset.profile_steps}, timeout=60).raise_for_status()
+        await run()
         profile = httpx.post(url + "/stop_profile", timeout=600).json()
         out["profile"] = {**profile, "top_ops": profile.get("top_ops", [])[:15]}
     return out
@@ -381,7 +382,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--multi-session", nargs="*", default=None, metavar="SxLxTxC",
                     help="override the preset's multi_session cases, e.g. 72x16384x6x16")
     ap.add_argument("--profile-steps", type=int, default=0,
-                    help="profile the first N scheduler steps of each case (torch.profiler via /start_profile)")
+                    help="run each case twice, profiling the first N scheduler steps of the second run (/start_profile)")
     ap.add_argument("--tokenizer-path", default=None, help="tokenizer folder for a random:* model")
     ap.add_argument("--server-args", default="", help="extra server flags for both modes (one string)")
     ap.add_argument("--graph-steps", default=None,

@@ -35,6 +35,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False  # GPU: run decode steps eagerly instead of replaying CUDA graphs
     cuda_graph_max_bs: int | None = None  # largest decode batch captured as a graph (None: max_running_requests)
     disable_overlap_schedule: bool = False  # wait for each step's tokens before scheduling the next
+    skip_server_warmup: bool = False  # GPU: serve without first running one request of each kind
     random_seed: int = 0
     host: str = "127.0.0.1"
     port: int = 30000
@@ -140,6 +141,8 @@ class ServerArgs:
                                  "(default: --max-running-requests)",
             "disable_overlap_schedule": "prepare each step only after the previous step's tokens are "
                                         "back (by default the CPU schedules step N+1 while the GPU runs step N)",
+            "skip_server_warmup": "GPU: start serving without the warmup requests that compile every kernel "
+                                  "first (otherwise the first user request pays for Triton/FlashInfer compilation)",
             "shadowkv_rank": "low-rank key dims (default: 160 per 1024 key dims, the paper's ratio)",
             "shadowkv_rank_energy": "per layer, least rank keeping this energy fraction (capped by rank)",
             "shadowkv_chunk_size": "tokens per chunk: one landmark, one unit of selection",

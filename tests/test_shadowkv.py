@@ -407,6 +407,19 @@ def test_suffixes_prefilled_together_answer_as_one_at_a_time(shadow_engine):
     assert scored.output_ids[0] == alone[0][0]
 
 
+def test_warm_up_runs_a_compression_and_a_suffix_prefill_and_leaves_no_trace(shadow_engine):
+    """The GPU server's warmup (run here on the CPU): every kind of ShadowKV step once, then the
+    cache, the pools and the counters as they were."""
+    shadow_engine.flush_cache()
+    sched = shadow_engine.scheduler
+    before = dict(sched.stats)
+    steps = sched.runner.eager_steps
+    sched.warm_up()
+    assert sched.runner.eager_steps > steps and dict(sched.stats) == before
+    assert_pool_clean(shadow_engine)
+    assert_shadow_pools_clean(shadow_engine)
+
+
 def test_abort_during_a_suffix_prefill_frees_everything(shadow_engine):
     from sglang_shadowkv.sampling_params import SamplingParams
 

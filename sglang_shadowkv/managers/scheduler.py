@@ -107,6 +107,31 @@ class Scheduler:
         self.pending: LaunchedStep | None = None
         self.grammars = GrammarManager(lambda: create_grammar_backend(
             self.tokenizer, self.vocab_size, sorted(self.eos_ids)))
+        if self.runner.device.type == "cuda" and not args.skip_server_warmup:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Run each kind of step once before serving (SGLang's warmup request), so that kernels
+        compile (Triton, FlashInfer's JIT) now and not in a user's time to first token. With
+        ShadowKV: a document long enough to be compressed, then a question of two 64-query tiles
+        over it (the sparse suffix prefill) and its sparse decode. The cache and the counters are
+        left as they were."""
+        stats = dict(self.stats)
+        low = min(1000, self.vocab_size // 4)
+        ids = [low + (i * 7919) % (self.vocab_size - 2 * low) for i in range(self.context_length)]
+        prompts = [ids[:16]]
+        if self.shadow is not None and self.shadow.cfg.min_context + 200 < self.context_length:
+            doc = ids[:self.shadow.cfg.min_context + 64]
+            prompts = [doc, doc + ids[-100:]]
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            self.add_request(f"warmup-{i}", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+            while self.has_work:
+                self.step()
+        self.flush_cache()
+        self.stats.clear()
+        self.stats.update(stats)
+        logger.info("warmup: %d requests in %.1f s", len(prompts), time.perf_counter() - start)
 
     # ---- submission ---------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
