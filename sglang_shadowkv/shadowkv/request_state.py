@@ -8,6 +8,7 @@ decode needs to know of that mix. It is fixed once the prompt is done: every lat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -36,26 +37,35 @@ class CompressedLayout:
 
 
 def build_layout(entries: list, chunk_size: int) -> CompressedLayout | None:
-    """Layout of a prefix given one entry per page (page id or ChunkRef); None if all dense."""
-    compressed = [i for i, e in enumerate(entries) if isinstance(e, ChunkRef)]
-    if not compressed:
+    """Layout of a prefix given one entry per page (page id or ChunkRef); None if all dense.
+
+    One pass over runs of entries (a document is one run of a segment's chunks), so a 32K-token
+    prefix costs a few runs, not one Python step per page."""
+    dense_spans, pieces, pos = [], [], 0  # pieces: (segment, first chunk index, count)
+    for is_ref, run in groupby(entries, key=lambda e: type(e) is ChunkRef):
+        run = list(run)
+        if not is_ref:
+            dense_spans.append((pos * chunk_size, (pos + len(run)) * chunk_size))
+        else:
+            for _, refs in groupby(run, key=lambda r: id(r.segment)):
+                refs = list(refs)
+                pieces.append((refs[0].segment, [r.index for r in refs]))
+        pos += len(run)
+    if not pieces:
         return None
-    end = (compressed[-1] + 1) * chunk_size
-    dense_spans, start = [], None
-    for i, e in enumerate(entries[:compressed[-1] + 1]):
-        if not isinstance(e, ChunkRef) and start is None:
-            start = i
-        elif isinstance(e, ChunkRef) and start is not None:
-            dense_spans.append((start * chunk_size, i * chunk_size))
-            start = None
     by_segment: dict[int, tuple[Segment, list[int]]] = {}
-    for i in compressed:
-        ref = entries[i]
-        by_segment.setdefault(id(ref.segment), (ref.segment, []))[1].append(ref.index)
+    for seg, indices in pieces:
+        by_segment.setdefault(id(seg), (seg, []))[1].extend(indices)
+    last_ref = len(entries) - next(i for i, e in enumerate(reversed(entries)) if type(e) is ChunkRef)
+    end = last_ref * chunk_size
+    dense_spans = [(a, b) for a, b in dense_spans if b <= end]
     slots, blocks, los, his = [], [], [], []
     for seg, indices in by_segment.values():
-        idx = torch.tensor(indices, device=seg.chunk_slots.device)
-        slots.append(seg.chunk_slots[idx])
+        first, last = indices[0], indices[-1]
+        if last - first + 1 == len(indices):  # consecutive chunks (the usual case): a slice
+            slots.append(seg.chunk_slots[first:last + 1])
+        else:
+            slots.append(seg.chunk_slots[torch.tensor(indices, device=seg.chunk_slots.device)])
         blocks.append(seg.outlier_blocks)
         lo, hi = seg.start + min(indices) * chunk_size, seg.start + (max(indices) + 1) * chunk_size
         los.append(torch.full_like(seg.outlier_blocks, lo))

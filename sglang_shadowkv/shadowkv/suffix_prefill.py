@@ -24,6 +24,7 @@ The scratch ends holding the last tile's selection: the request's decode starts 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -90,8 +91,9 @@ class SuffixPrefill:
         sparse = [i for i, r in enumerate(reqs) if not r.exact]
         for k in range(max((math.ceil(n_q[i] / TILE) for i in sparse), default=0)):
             members = [i for i in sparse if n_q[i] > k * TILE]
-            rounds.append(self._round(reqs, members, [offsets[i] + k * TILE for i in members],
-                                      [min(TILE, n_q[i] - k * TILE) for i in members], TILE, False))
+            counts = [min(TILE, n_q[i] - k * TILE) for i in members]
+            rounds.append(self._round(reqs, members, [offsets[i] + k * TILE for i in members], counts,
+                                      max(counts), False))
         for i, r in enumerate(reqs):
             if r.exact:
                 rounds.append(self._round(reqs, [i], [offsets[i]], [n_q[i]], n_q[i], True))
@@ -135,15 +137,26 @@ class SuffixPrefill:
         return out.to(q.dtype)
 
     def _select(self, qt: torch.Tensor, rnd: SuffixRound, layer: int) -> torch.Tensor:
-        """[R, Hkv, max_entries] each tile's chunks: landmark mass summed over its queries."""
-        r, t, hq, _ = qt.shape
-        h, n = self.decoder.pool.num_kv_heads, rnd.chunk_slots.shape[1]
+        """[R, Hkv, max_entries] each tile's chunks: landmark mass summed over its queries. A
+        tile's queries score the same landmarks, so each request's landmarks are gathered once
+        and scored by one matmul per KV head (the decode kernel would read them once per query)."""
+        pool = self.decoder.pool
+        r, t, hq, d = qt.shape
+        h, n = pool.num_kv_heads, rnd.chunk_slots.shape[1]
+        g = hq // h
         masses = []
-        for a, b in _groups(r, t * hq * n * 4):
-            slots = rnd.chunk_slots[a:b].repeat_interleave(t, 0)
-            logits = self.decoder.landmark_logits(qt[a:b].flatten(0, 1), layer, slots).view(b - a, t, h, -1, n)
-            probs = logits.softmax(-1).amax(3) * rnd.q_valid[a:b, :, None, None]  # [r, t, Hkv, N]
-            masses.append(probs.sum(1).masked_fill(logits[:, 0, :, 0].isinf(), -1.0))
+        for a, b in _groups(r, t * hq * n * 4 + n * h * d * 4):
+            slots = rnd.chunk_slots[a:b].long()  # [r, N]
+            landmarks = pool.landmarks[layer][slots].float()  # [r, N, Hkv, D]
+            if pool.landmark_scale is not None:
+                landmarks = landmarks * pool.landmark_scale[layer][slots][..., None]
+            q = qt[a:b].float().view(b - a, t, h, g, d).permute(0, 2, 1, 3, 4).reshape(b - a, h, t * g, d)
+            with exact_bf16_matmul(q.is_cuda):
+                logits = q @ landmarks.permute(0, 2, 3, 1) * d ** -0.5  # [r, Hkv, t * G, N]
+            blocked = ~pool.selectable[layer][slots].permute(0, 2, 1).bool()[:, :, None, :]  # [r, Hkv, 1, N]
+            probs = logits.masked_fill(blocked, float("-inf")).softmax(-1).view(b - a, h, t, g, n).amax(3)
+            valid = rnd.q_valid[a:b, None, :, None]
+            masses.append((probs * valid).nan_to_num().sum(2).masked_fill(blocked[:, :, 0], -1.0))
         return self.decoder.select(torch.cat(masses), rnd.chunk_slots, rnd.budgets, rnd.top_k)
 
     def _exact_pieces(self, layer: int, rnd: SuffixRound) -> list[torch.Tensor]:
@@ -182,10 +195,11 @@ class SuffixPrefill:
         out, lse = torch.empty_like(q), q.new_empty(r, h, t * g)
         block = max(g, WORK_BYTES // (4 * r * h * keys.shape[2]) // g * g)
         for a in range(0, t * g, block):
-            scores = (q[:, :, a:a + block] @ keys.transpose(2, 3) * d ** -0.5).masked_fill(invalid, float("-inf"))
-            lse[:, :, a:a + block] = part_lse = scores.logsumexp(-1)  # -inf where a head has no keys
-            probs = torch.exp(scores - part_lse.nan_to_num(neginf=0.0)[..., None])
-            out[:, :, a:a + block] = probs @ values
+            with exact_bf16_matmul(q.is_cuda):
+                scores = (q[:, :, a:a + block] @ keys.transpose(2, 3) * d ** -0.5).masked_fill(invalid, float("-inf"))
+                lse[:, :, a:a + block] = part_lse = scores.logsumexp(-1)  # -inf where a head has no keys
+                probs = torch.exp(scores - part_lse.nan_to_num(neginf=0.0)[..., None])
+                out[:, :, a:a + block] = probs @ values
         out = out.view(r, h, t, g, d).permute(0, 2, 1, 3, 4).reshape(r, t, hq, d)
         return out, lse.view(r, h, t, g).permute(0, 2, 1, 3).reshape(r, t, hq)
 
@@ -195,6 +209,22 @@ class SuffixPrefill:
         out = fn(q, kv_pool.k_buffers[layer], kv_pool.v_buffers[layer], plan.q_indptr, plan.dense_indptr,
                  plan.dense_slots, q.shape[-1] ** -0.5, lse=lse)
         return out, lse
+
+
+@contextmanager
+def exact_bf16_matmul(on_gpu: bool):
+    """float32 matmuls on TF32 tensor cores (GPU): exact for operands that are bf16 values (TF32
+    keeps 10 mantissa bits, bf16 has 7), with float32 accumulation and output, as an attention
+    kernel computes them, at tensor-core speed instead of float32 FMA speed."""
+    if not on_gpu:
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def _groups(count: int, bytes_each: int) -> list[tuple[int, int]]:
