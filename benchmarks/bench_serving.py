@@ -73,12 +73,13 @@ PRESETS = {
                     "--shadowkv-min-context", "512"],
                    decode_cases=[(640, 2)], decode_tokens=6, shared_document=[(1, 640, 2)],
                    multi_session=[(2, 640, 2, 1)], answer_tokens=4, think_s=0.05),
-    # the Llama-3.1-8B shape with random weights on the H100 (the scenarios)
+    # the Llama-3.1-8B shape with random weights on the H100 (the scenarios); multi_session:
+    # three times the 27 documents of 16K that full attention's pool holds there at default flags
     "h100": Preset(["--model-path", "random:llama-3.1-8b", "--context-length", "67584",
                     "--max-running-requests", "48"],
                    decode_cases=[(32768, 8), (32768, 32), (65536, 8), (65536, 32)], decode_tokens=256,
                    shared_document=[(2, 32768, 16), (1, 65536, 16)],
-                   multi_session=[(48, 16384, 6, 16)], answer_tokens=32, think_s=2.0),
+                   multi_session=[(81, 16384, 6, 16)], answer_tokens=32, think_s=2.0),
 }
 QUESTION_TOKENS = 32
 

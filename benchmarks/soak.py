@@ -56,7 +56,7 @@ GENERATION_KINDS = ("plain", "stream", "document", "openai")  # their successful
 EXPECTED = {kind: {"ok"} for kind in MIX} | {
     "disconnect_stream": {"disconnected", "ok"}, "disconnect_plain": {"disconnected", "ok"},
     "abort": {"aborted", "ok"}, "bad_input": {"http_400"}, "flush": {"ok", "http_400"}}
-ANSWER_TIMEOUT_S = 120.0
+ANSWER_TIMEOUT_S = 300.0  # a hang, not a slow answer: a CPU shared with other work is slow
 
 
 def shared_documents(count: int, tokens: int) -> list[str]:
