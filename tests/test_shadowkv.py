@@ -1,5 +1,7 @@
 """ShadowKV compression, configuration and the engine's attention="shadowkv" path (CPU)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -380,6 +382,8 @@ def test_sparse_suffix_prefill_agrees_with_exact_attention_over_the_prefix(shado
     assert sched.stats["compressions"] == 1 and sched.stats["compressed_prefix_hits"] == len(questions)
     assert sched.stats["prefill_tokens"] < 1200 + sum(len(q) for q in questions) * 2  # no restore
     agree = sum(a == b for x, y in zip(sparse, exact) for a, b in zip(x, y))
+    del sched
+    gc.collect()  # the two extra schedulers' pools, before the next test
     # measured 27/32 at this engine's rank 96 and 64-chunk floor; issue 21 asks for >= 0.95
     assert agree / sum(map(len, exact)) >= 0.8 and all(x[0] == y[0] for x, y in zip(sparse, exact))
 
@@ -392,8 +396,10 @@ def test_suffixes_prefilled_together_answer_as_one_at_a_time(shadow_engine):
 
     doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 33)
     questions = questions[:2] + [long_prompt(shadow_engine.tokenizer, 150, 34)]
-    alone = greedy_answers(suffix_scheduler(shadow_engine), doc, questions, 6)
-    sched = suffix_scheduler(shadow_engine)
+    sched = shadow_engine.scheduler  # this module's settings; a second scheduler would double the memory
+    shadow_engine.flush_cache()
+    alone = greedy_answers(sched, doc, questions, 6)
+    shadow_engine.flush_cache()
     greedy_answers(sched, doc, questions[:1], 1)  # the document, compressed
     reqs = [sched.add_request(f"b{i}", doc + q, SamplingParams(max_new_tokens=6, temperature=0))
             for i, q in enumerate(questions)]
