@@ -13,6 +13,7 @@ hook does not keep the engine alive). Any call after that raises EngineShutDown.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import itertools
 import logging
@@ -29,8 +30,10 @@ from sglang_shadowkv.managers.io_struct import GenerateReq
 from sglang_shadowkv.managers.logprobs import LogprobOptions
 from sglang_shadowkv.managers.parallel_sampling import expand_parallel
 from sglang_shadowkv.managers.scheduler import Scheduler
+from sglang_shadowkv.managers.shadowkv_probe import shadowkv_report
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
+from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +154,26 @@ class Engine:
 
     def get_server_info(self) -> dict:
         return self.scheduler.server_info()
+
+    def shadowkv_report(self, prompt: str | None = None, input_ids: list[int] | None = None,
+                        config: ShadowKVConfig | None = None, num_queries: int = 16, **overrides: Any) -> dict:
+        """How ShadowKV would attend over one long prompt, layer by layer, against exact attention
+        on the side: the ranks chosen, per scoring rule the recall of attention mass and the chunks
+        chosen, the output error of the low-rank keys alone and of the whole approximation, and
+        the GPU saving (managers/shadowkv_probe.py). Works on any engine (also attention="full").
+        config: the ShadowKV settings (default: this engine's); overrides: fields of it to change.
+        `shadowkv.selection_report.format_report(report["summary"])` prints it as a table."""
+        batch, single = self._normalize_prompts(prompt, input_ids)
+        if not single:
+            raise ValueError("shadowkv_report takes one prompt (a string or one list of token ids)")
+        ids = batch[0]
+        cfg = dataclasses.replace(config or ShadowKVConfig.from_server_args(self.server_args), **overrides)
+        with self._lock:
+            scheduler = self.scheduler
+            pages = -(-len(ids) // scheduler.runner.pool.page_size)
+            if scheduler.runner.pool.num_free < pages:  # cached prefixes make room
+                scheduler.tree.evict(pages - scheduler.runner.pool.num_free)
+            return shadowkv_report(scheduler.runner, ids, [cfg], num_queries)[0]
 
     def shutdown(self) -> None:
         """Release the model and caches now (a generate() running in another thread finishes first)."""

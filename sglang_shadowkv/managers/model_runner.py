@@ -130,6 +130,7 @@ class ModelRunner:
             landmark_dtype=skv.landmark_torch_dtype)
         self.decoder = SparseDecoder(self.shadow_pool, skv, self.model.rotary, skv.max_requests,
                                      self.context_length // skv.chunk_size, self.device.type == "cuda")
+        logger.info("ShadowKV: %s; %s", skv.describe_rank(cfg.kv_dim), skv.describe_budget())
 
     def _default_pool_tokens(self, args: ServerArgs, bytes_per_token: int) -> int:
         if self.device.type != "cuda":
