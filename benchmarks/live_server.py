@@ -41,29 +41,53 @@ def wait_until(condition, timeout: float, what: str, period: float = 0.1):
         time.sleep(period)
 
 
-def assert_no_pages_held(url: str, timeout: float = 20.0) -> dict:
-    """Once the server is idle, every KV page is free or in the radix tree; returns the server info."""
+def pool_leaks(info: dict) -> dict:
+    """What an idle server has not given back, from its /get_server_info answer: KV pages neither
+    free nor in the radix tree; with ShadowKV, segments and host slots (chunk slots: one slot of
+    every compressed pool, host values included) neither free nor the tree's, chunk references
+    held outside the tree and scratch rows still taken. All zero when nothing leaked."""
+    mem = info["memory"]
+    leaks = {"pages": mem["total_pages"] - mem["free_pages"] - mem["tree_pages"],
+             "segments": 0, "host_slots": 0, "chunk_refs": 0, "scratch_rows": 0}
+    if info.get("shadowkv") is not None:
+        held = info["shadowkv"]["holders"]
+        leaks.update(segments=held["segments"] - held["free_segments"] - held["tree_segments"],
+                     host_slots=held["chunk_slots"] - held["free_chunk_slots"] - held["tree_chunk_slots"],
+                     chunk_refs=held["chunk_refs"] - held["tree_chunk_refs"],
+                     scratch_rows=held["scratch_rows"] - held["free_scratch_rows"])
+    return leaks
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict:
+    """The server info once no request runs or holds pages (the last ones may still be finishing)."""
     def idle():
         info = httpx.get(url + "/get_server_info", timeout=30).json()
         mem = info["memory"]
         quiet = info["running_requests"] == 0 and mem["running_request_pages"] == 0 and mem["reserved_pages"] == 0
         return info if quiet else None
 
-    info = wait_until(idle, timeout, "the server going idle with no pages held", period=0.2)
-    mem = info["memory"]
-    assert mem["free_pages"] + mem["tree_pages"] == mem["total_pages"], mem
+    return wait_until(idle, timeout, "the server going idle", period=0.2)
+
+
+def assert_no_pages_held(url: str, timeout: float = 20.0) -> dict:
+    """Once the server is idle, every KV page (and ShadowKV segment, host slot and scratch row) is
+    free or in the radix tree; returns the server info."""
+    info = wait_idle(url, timeout)
+    leaks = pool_leaks(info)
+    assert not any(leaks.values()), (leaks, info["memory"], (info["shadowkv"] or {}).get("holders"))
     return info
 
 
 class LiveServer:
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, env: dict[str, str] | None = None):
+        """flags: launch_server's; env: extra environment variables of the server processes."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang-shadowkv-server-", suffix=".log")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_shadowkv.launch_server", "--port", str(self.port), *flags],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
 
     @property
     def pgid(self) -> int:

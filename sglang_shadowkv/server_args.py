@@ -56,6 +56,8 @@ class ServerArgs:
     shadowkv_landmark_dtype: str = _SKV.landmark_dtype
     shadowkv_host_tokens: int | None = _SKV.host_tokens
     shadowkv_max_requests: int = _SKV.max_requests
+    shadowkv_sparse_prefill_max: int = _SKV.sparse_prefill_max
+    shadowkv_host_mem_fraction: float = 0.5  # GPU: share of the machine's available memory for host values
     shadowkv_rank_cap: int | None = _SKV.rank_cap
     shadowkv_top_p: float = _SKV.top_p
     shadowkv_max_budget: int = _SKV.max_budget
@@ -93,6 +95,8 @@ class ServerArgs:
             _positive(self, "max_total_tokens")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if not 0.0 < self.shadowkv_host_mem_fraction < 1.0:
+            raise ValueError(f"shadowkv_host_mem_fraction must be in (0, 1), got {self.shadowkv_host_mem_fraction}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"log_level must be debug, info, warning, error or critical, got {self.log_level!r}")
         if not self.startup_timeout > 0:
@@ -152,12 +156,17 @@ class ServerArgs:
             "shadowkv_min_context": "prompts shorter than this stay dense",
             "shadowkv_lowrank_method": "auto (eigh up to 256 key dims, else subspace), eigh or subspace "
                                        "(top eigenvectors of the Gram matrix) or svd (the paper's)",
-            "shadowkv_value_dtype": "host values: auto (the model dtype) or int8 (a scale per chunk and KV "
+            "shadowkv_value_dtype": "host values: auto (int8 on a GPU, the model dtype on a CPU), model, or int8 (a scale per chunk and KV "
                                     "head: half the host memory and PCIe traffic)",
-            "shadowkv_landmark_dtype": "landmarks: auto (the model dtype) or int8 (a scale per chunk and KV "
+            "shadowkv_landmark_dtype": "landmarks: auto (int8 on a GPU, the model dtype on a CPU), model, or int8 (a scale per chunk and KV "
                                        "head: half their GPU memory and the bytes scoring reads)",
             "shadowkv_host_tokens": "capacity of the compressed pools (host values) in tokens",
             "shadowkv_max_requests": "requests decoding from compressed state at once",
+            "shadowkv_host_mem_fraction": "with shadowkv_host_tokens unset on a GPU: the share of the machine's "
+                                          "available memory page-locked for compressed values",
+            "shadowkv_sparse_prefill_max": "a prompt suffix over a cached compressed document up to this many "
+                                           "tokens attends the chunks it selects (per 64 queries); a longer "
+                                           "one attends every chunk, streamed; 0: always every chunk",
             "shadowkv_rank_cap": "most low-rank dims per layer, also the low-rank pool's width (default: "
                                  "160, scaled up with key dims past 1024)",
             "shadowkv_top_p": "budget auto: score mass the selected chunks must hold",

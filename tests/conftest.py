@@ -31,10 +31,14 @@ def hf_model(engine):
 
 
 def assert_pool_clean(engine) -> None:
-    """Every page is either free or held by the radix tree: nothing leaked to dead requests."""
-    mem = engine.get_server_info()["memory"]
+    """Every page (and ShadowKV segment, host slot, scratch row) is either free or held by the radix
+    tree: nothing leaked to dead requests."""
+    from benchmarks.live_server import pool_leaks
+
+    info = engine.get_server_info()
+    mem = info["memory"]
     assert mem["running_request_pages"] == 0 and mem["reserved_pages"] == 0
-    assert mem["free_pages"] + mem["tree_pages"] == mem["total_pages"]
+    assert not any(pool_leaks(info).values()), pool_leaks(info)
     assert mem["evictable_pages"] == mem["tree_pages"]
 
 

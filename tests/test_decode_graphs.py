@@ -9,7 +9,6 @@ change any output either.
 """
 
 import pytest
-import torch
 
 from conftest import assert_pool_clean
 from test_shadowkv import SHADOW_ENGINE, assert_shadow_pools_clean, long_prompt

@@ -49,6 +49,22 @@ def test_shared_prefix_is_reused_and_output_unchanged(engine):
     assert_pool_clean(engine)
 
 
+def test_flush_is_refused_while_a_request_runs(engine):
+    """Even one that matched no cached prefix (it holds the tree's root, not a node)."""
+    from sglang_shadowkv.sampling_params import SamplingParams
+
+    sched = engine.scheduler
+    engine.generate(PROMPTS[0], GREEDY)
+    sched.add_request("flush-while-running", engine.tokenizer.encode("Zebras and"), SamplingParams(max_new_tokens=4))
+    sched.step()
+    assert not engine.flush_cache()
+    while sched.has_work:
+        sched.step()
+    assert engine.flush_cache()
+    assert engine.get_server_info()["memory"]["tree_pages"] == 0
+    assert_pool_clean(engine)
+
+
 def test_batch_equals_one_by_one(engine):
     prompts = [PROMPTS[0], PROMPTS[1] * 6, PROMPTS[2], PROMPTS[4] * 3]
     engine.flush_cache()

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from benchmarks.live_server import assert_no_pages_held
 
-from sglang_shadowkv.entrypoints.http_server import GENERATE_FIELDS, IGNORED_AT_DEFAULT
-from sglang_shadowkv.entrypoints.openai_api import IGNORED, SAMPLING_FIELDS
+from sglang_shadowkv.entrypoints.request_fields import (CHAT_FIELDS, COMPLETION_FIELDS, GENERATE_FIELDS,
+                                                        OPENAI_SAMPLING)
 from sglang_shadowkv.sampling_params import UNSUPPORTED_KEYS, SamplingParams
 
 ANSWER_BOUND_S = 30.0
@@ -60,7 +60,7 @@ VALID_SAMPLING = {
     "skip_special_tokens": st.booleans(), "spaces_between_special_tokens": st.booleans(),
     "no_stop_trim": st.booleans(), "sampling_seed": st.integers(0, 2**64 - 1),
     "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3)}
-OPENAI_NAMES = {native: openai for openai, native in SAMPLING_FIELDS.items() if native in VALID_SAMPLING}
+OPENAI_NAMES = {native: openai for openai, native in OPENAI_SAMPLING.items() if native in VALID_SAMPLING}
 valid_sampling = st.fixed_dictionaries({"max_new_tokens": VALID_SAMPLING["max_new_tokens"]},
                                        optional={k: v for k, v in VALID_SAMPLING.items() if k != "max_new_tokens"})
 valid_openai = st.fixed_dictionaries({"max_tokens": VALID_SAMPLING["max_new_tokens"]}, optional={
@@ -100,12 +100,11 @@ def broken(valid: st.SearchStrategy[dict], fields) -> st.SearchStrategy[dict]:
 
 sampling_paths = {f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__} | {
     f"sampling_params.{name}" for name in UNSUPPORTED_KEYS}
-openai_fields = {"model", "stream"} | set(SAMPLING_FIELDS) | set(IGNORED)
 bodies = st.one_of(
-    st.tuples(st.just("/generate"), broken(valid_generate, GENERATE_FIELDS | set(IGNORED_AT_DEFAULT) | sampling_paths)),
-    st.tuples(st.just("/v1/completions"), broken(valid_completion, openai_fields | {"prompt"})),
+    st.tuples(st.just("/generate"), broken(valid_generate, set(GENERATE_FIELDS) | sampling_paths)),
+    st.tuples(st.just("/v1/completions"), broken(valid_completion, set(COMPLETION_FIELDS))),
     st.tuples(st.just("/v1/chat/completions"),
-              broken(valid_chat, openai_fields | {"messages", "messages.0.role", "messages.0.content"})),
+              broken(valid_chat, set(CHAT_FIELDS) | {"messages.0.role", "messages.0.content"})),
     st.tuples(st.just("/abort_request"), broken(st.fixed_dictionaries({"rid": st.text(max_size=8)}), {"rid"})),
     st.tuples(st.just("/flush_cache"), json_values),
 )

@@ -114,6 +114,17 @@ def test_locked_nodes_are_not_evicted():
     assert tree.flush() and pool.num_free == pool.capacity
 
 
+def test_flush_keeps_the_root_that_a_request_without_a_match_holds():
+    pool, tree = make()
+    tree.insert([1] * 8, pool.alloc(2))
+    m = tree.match_prefix([9] * 8)  # matched nothing: the request holds the root
+    tree.lock(m.node)
+    assert tree.flush() and tree.total_pages == 0
+    tree.unlock(m.node)  # when it ends
+    tree.insert([9] * 8, pool.alloc(2))
+    assert tree.match_prefix([9] * 8).num_pages == 2
+
+
 def test_lru_evicts_oldest_first():
     pool, tree = make()
     old, new = pool.alloc(1), pool.alloc(1)

@@ -51,8 +51,7 @@ class CacheManager:
         wait for memory; None: it can never run here (req.finish_reason says why)."""
         match = self.tree.match_prefix(req.input_ids[:prefix_match_limit(req)])
         self.tree.lock(match.node)
-        # matched compressed chunks need dense pages while the prompt is prefilled
-        need = self.pages_for(req.max_total_len) - sum(isinstance(e, int) for e in match.pages)
+        need = self.pages_for(req.max_total_len) - len(match.pages)
         if need > self.available_pages() or self.table.num_free == 0:
             self.tree.unlock(match.node)
             return False
@@ -67,15 +66,11 @@ class CacheManager:
         req.pages = list(match.pages)
         req.num_borrowed = match.num_pages
         req.cached_tokens = req.num_computed = match.num_pages * self.page_size
-        if req.pages:  # compressed entries get their (temporary) pages in restore_matched
+        if req.pages:  # compressed entries have no dense slots (their table entries are never read)
             dense = [e if isinstance(e, int) else 0 for e in req.pages]
             self.table.write(req.pool_row, 0, self.pool.slots_of_pages(dense, req.num_computed))
         req.reserved_pages = need
         self.reserved_pages += need
-        if req.shadow is not None:
-            self.shadow.restore_matched(req)
-            req.reserved_pages -= len(req.temp_pages)
-            self.reserved_pages -= len(req.temp_pages)
         self.stats["cached_tokens"] += req.cached_tokens
         return True
 
@@ -114,8 +109,7 @@ class CacheManager:
         req.pool_row = None
 
     def memory_stats(self, running: list[Req]) -> dict:
-        running_pages = sum(sum(isinstance(e, int) for e in r.pages[r.num_borrowed:]) + len(r.temp_pages)
-                            for r in running)
+        running_pages = sum(sum(isinstance(e, int) for e in r.pages[r.num_borrowed:]) for r in running)
         return {
             "page_size": self.page_size,
             "total_pages": self.pool.capacity,

@@ -12,6 +12,7 @@ from sglang_shadowkv.layers.attention.eviction_backend import (
     EVICTION_POLICIES, EvictionAttentionBackend, make_eviction_policy)
 from sglang_shadowkv.layers.attention.shadowkv_backend import ShadowKVAttentionBackend
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
+from sglang_shadowkv.mem_cache.memory_plan import available_host_bytes, documents_that_fit, plan_shadowkv_memory
 from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
 from sglang_shadowkv.models.loader import LoadedModel, load_model
 from sglang_shadowkv.server_args import ServerArgs
@@ -23,9 +24,11 @@ from .cuda_graph import DecodeGraphRunner
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_POOL_TOKENS_PER_CONTEXT = 4  # CPU pool: this many full context windows
-# segments live in the radix cache beyond their requests: several per running request
+# segments live in the radix cache beyond their requests: several per running request, and one
+# per SEGMENT_TOKENS of the pools' capacity (the documents the cache holds)
 SEGMENTS_PER_REQUEST = 4
-DEFAULT_HOST_TOKENS_PER_CONTEXT = 4  # ShadowKV pools: this many full context windows
+SEGMENT_TOKENS = 8192
+CPU_HOST_TOKENS_PER_CONTEXT = 4  # ShadowKV pools on a CPU: this many full context windows
 
 
 @dataclass
@@ -91,10 +94,11 @@ class ModelRunner:
         self.context_length = cfg.context_length
         page_size = args.page_size
         self.shadow_cfg = self.shadow_pool = self.decoder = None
-        if args.attention == "shadowkv":  # before the dense pool, which takes what memory is left
-            self._build_shadowkv(args)
         bytes_per_token = 2 * cfg.num_layers * cfg.kv_dim * torch.empty((), dtype=self.dtype).element_size()
-        tokens = args.max_total_tokens or self._default_pool_tokens(args, bytes_per_token)
+        self.shadow_dense_tokens = None  # the dense pool ShadowKV's memory plan leaves (GPU)
+        if args.attention == "shadowkv":  # before the dense pool, which takes what memory is left
+            self._build_shadowkv(args, bytes_per_token)
+        tokens = args.max_total_tokens or self.shadow_dense_tokens or self._default_pool_tokens(args, bytes_per_token)
         num_pages = max(2, tokens // page_size + 1)
         self.pool = PagedKVPool(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads,
                                 cfg.head_dim, self.dtype, self.device)
@@ -118,12 +122,17 @@ class ModelRunner:
         if self.device.type == "cuda" and not args.disable_cuda_graph:
             self.init_decode_graphs(args.cuda_graph_max_bs or args.max_running_requests, capture=True)
 
-    def _build_shadowkv(self, args: ServerArgs) -> None:
-        cfg, skv = self.config, ShadowKVConfig.from_server_args(args)
-        host_tokens = skv.host_tokens or DEFAULT_HOST_TOKENS_PER_CONTEXT * self.context_length
+    def _build_shadowkv(self, args: ServerArgs, dense_bytes_per_token: int) -> None:
+        cfg = self.config
+        skv = ShadowKVConfig.from_server_args(args).resolve_storage(self.device.type == "cuda")
         self.shadow_cfg = skv
+        host_tokens = skv.host_tokens
+        if host_tokens is None:
+            host_tokens = (self._plan_shadowkv_memory(args, skv, dense_bytes_per_token)
+                           if self.device.type == "cuda" else CPU_HOST_TOKENS_PER_CONTEXT * self.context_length)
+        segments = max(SEGMENTS_PER_REQUEST * skv.max_requests, host_tokens // SEGMENT_TOKENS)
         self.shadow_pool = ShadowKVPool(
-            num_chunk_slots=host_tokens // skv.chunk_size, max_segments=SEGMENTS_PER_REQUEST * skv.max_requests,
+            num_chunk_slots=host_tokens // skv.chunk_size, max_segments=segments,
             max_outliers=skv.outliers, chunk_size=skv.chunk_size, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_rank=skv.max_rank(cfg.kv_dim),
             dtype=self.dtype, device=self.device, value_dtype=skv.host_value_torch_dtype,
@@ -131,6 +140,31 @@ class ModelRunner:
         self.decoder = SparseDecoder(self.shadow_pool, skv, self.model.rotary, skv.max_requests,
                                      self.context_length // skv.chunk_size, self.device.type == "cuda")
         logger.info("ShadowKV: %s; %s", skv.describe_rank(cfg.kv_dim), skv.describe_budget())
+
+    def _plan_shadowkv_memory(self, args: ServerArgs, skv: ShadowKVConfig, dense_bytes_per_token: int) -> int:
+        """Compressed-pool tokens from the GPU and host budgets (mem_cache/memory_plan.py); sets
+        the dense pool's size; logs what fits."""
+        cfg = self.config
+        unit = ShadowKVPool.bytes_per_unit(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, skv.chunk_size,
+                                           skv.max_rank(cfg.kv_dim), skv.outliers, self.dtype,
+                                           skv.host_value_torch_dtype, skv.landmark_torch_dtype)
+        per_slot = unit["gpu_per_slot"] + unit["gpu_per_segment"] * skv.chunk_size // SEGMENT_TOKENS
+        max_entries = skv.budget_chunks(self.context_length // skv.chunk_size)
+        scratch = (2 * cfg.num_layers * (skv.max_requests + 1) * max_entries * skv.chunk_size * cfg.kv_dim
+                   * torch.empty((), dtype=self.dtype).element_size())
+        free, _ = torch.cuda.mem_get_info(self.device)
+        plan = plan_shadowkv_memory(int(free * args.mem_fraction_static),
+                                    int(available_host_bytes() * args.shadowkv_host_mem_fraction),
+                                    dense_bytes_per_token, per_slot, unit["host_per_slot"], scratch,
+                                    self.context_length, args.max_running_requests)
+        if args.max_total_tokens is None:
+            self.shadow_dense_tokens = plan.dense_tokens
+        tokens = plan.chunk_slots * skv.chunk_size
+        logger.info("ShadowKV memory: %d dense tokens, %d compressed tokens (%.1f GiB GPU, %.1f GiB page-locked "
+                    "host; bound by the %s); documents that fit: %s", plan.dense_tokens, tokens,
+                    plan.chunk_slots * per_slot / 2**30, plan.chunk_slots * unit["host_per_slot"] / 2**30,
+                    plan.limited_by, documents_that_fit(plan.dense_tokens, tokens))
+        return tokens
 
     def _default_pool_tokens(self, args: ServerArgs, bytes_per_token: int) -> int:
         if self.device.type != "cuda":

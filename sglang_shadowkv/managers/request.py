@@ -29,7 +29,6 @@ class Req:
     # token i lives in pages[i // page_size]: a dense page id or a compressed ChunkRef
     pages: list = field(default_factory=list)
     num_borrowed: int = 0  # leading entries that belong to the radix tree (the matched prefix)
-    temp_pages: list[int] = field(default_factory=list)  # matched compressed chunks restored dense for the prefill
     last_node: TreeNode | None = None  # locked radix node of the matched prefix
     cached_tokens: int = 0  # prompt tokens reused from the radix cache
     num_computed: int = 0  # tokens whose K/V are in the pool

@@ -28,6 +28,7 @@ import torch
 from sglang_shadowkv.constrained import create_grammar_backend
 from sglang_shadowkv.constrained.grammar_manager import GrammarManager
 from sglang_shadowkv.layers.sampler import SamplingRow, sample
+from sglang_shadowkv.mem_cache.memory_plan import documents_that_fit
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
@@ -304,7 +305,10 @@ class Scheduler:
         return None if self.shadow is None else self.shadow.server_stats(self.running)
 
     def flush_cache(self) -> bool:
-        return self.tree.flush()
+        """Drop the prefix cache; refused (False) while any request is queued or running, as in
+        SGLang (a flush then would only throw away what they are about to reuse). A launched
+        step whose requests have all ended holds nothing: it does not count."""
+        return not (self.waiting or self.running or self.grammars.pending) and self.tree.flush()
 
     def server_info(self) -> dict:
         runner = self.runner
@@ -316,6 +320,7 @@ class Scheduler:
             "dtype": str(runner.dtype).removeprefix("torch."),
             "context_length": runner.context_length,
             "memory": self.memory_stats(),
+            "capacity": self.capacity(),
             "shadowkv": self.shadowkv_stats(),
             "stats": dict(self.stats),
             "steps": {"overlap": self.overlap, "eager_steps": runner.eager_steps,
@@ -324,6 +329,13 @@ class Scheduler:
             "waiting_requests": len(self.waiting),
             "time": time.time(),
         }
+
+    def capacity(self) -> dict:
+        """How many documents of 16K, 32K and 128K tokens the pools hold at once, dense and (with
+        ShadowKV) compressed."""
+        store = self.runner.shadow_pool
+        compressed = None if store is None else store.chunk_capacity * store.chunk_size
+        return documents_that_fit(self.pool.capacity * self.page_size, compressed)
 
     def memory_stats(self) -> dict:
         return self.cache.memory_stats(self.running)

@@ -1,11 +1,11 @@
 """The scheduler's ShadowKV side: compressed state as radix-cache payload (DESIGN.md §3).
 
-A request's page entries (see Req.pages) may be compressed ChunkRefs matched from the tree. At
-admission they are restored dense into temporary pages so the request's own suffix can prefill
-against them; a long unmatched prompt gets its own segment, compressed during the step that
-completes the prompt. Once the prompt is done the temporary pages go back, the own span's dense
-pages are replaced by ChunkRefs, and decode runs the sparse path over every compressed chunk of
-the prefix. When the request finishes, a long dense tail (a chat that grew) is compressed into a
+A request's page entries (see Req.pages) may be compressed ChunkRefs matched from the tree; its
+suffix prefills against them without restoring them dense (shadowkv/suffix_prefill.py), sparsely
+for a short suffix and exactly (streamed) for a long one. A long unmatched prompt gets its own
+segment, compressed during the step that completes the prompt; then the own span's dense pages
+are replaced by ChunkRefs, and decode runs the sparse path over every compressed chunk of the
+prefix. When the request finishes, a long dense tail (a chat that grew) is compressed into a
 new segment, and all entries go to the tree, so the next turn reuses them.
 """
 
@@ -63,7 +63,8 @@ class ShadowKVManager:
     # ---- admission ----------------------------------------------------------------------------
     def plan(self, req: Req, entries: list) -> ShadowReqState | None | bool:
         """ShadowKV state for a request about to be admitted with the matched entries: None when
-        it stays plain dense, False when the pools are full (wait)."""
+        it stays plain dense, False when the pools are full (wait). A suffix over matched chunks
+        attends them exactly when it is long, or when the request scores its prompt (logprobs)."""
         matched_chunks = any(isinstance(e, ChunkRef) for e in entries)
         start = len(entries) * self.page_size
         own = self.cfg.compressed_len(len(req.input_ids) - start, self.page_size)
@@ -75,32 +76,15 @@ class ShadowKVManager:
             if seg is not None:
                 self.store.free_segment(seg)
             return False
-        return ShadowReqState(row, seg)
-
-    def restore_matched(self, req: Req) -> None:
-        """Bring the matched compressed chunks back dense into temporary pages for the prefill."""
-        positions = [i for i, e in enumerate(req.pages) if isinstance(e, ChunkRef)]
-        if not positions:
-            return
-        if self.pool.num_free < len(positions):
-            self.tree.evict(len(positions) - self.pool.num_free)
-        pages = self.pool.alloc(len(positions))
-        if pages is None:
-            raise RuntimeError("pool exhausted while restoring a compressed prefix (admission reserved it)")
-        req.temp_pages = pages
-        ps = self.page_size
-        dense = list(req.pages)
-        for i, page in zip(positions, pages):
-            dense[i] = page
-        self.runner.req_to_token.write(req.pool_row, 0, self.pool.slots_of_pages(dense, len(dense) * ps))
-        run_start = 0
-        for k in range(1, len(positions) + 1):  # one restore per run of consecutive positions
-            if k == len(positions) or positions[k] != positions[k - 1] + 1:
-                first = positions[run_start]
-                self.runner.backend.restore(req.pool_row, first * ps, [req.pages[p] for p in positions[run_start:k]])
-                run_start = k
-        self.stats["compressed_prefix_hits"] += 1
-        self.stats["compressed_tokens_reused"] += len(positions) * ps
+        state = ShadowReqState(row, seg)
+        if matched_chunks:
+            state.layout = build_layout(entries, self.cfg.chunk_size)
+            suffix = len(req.input_ids) - start
+            state.exact_prefill = suffix > self.cfg.sparse_prefill_max or (
+                req.logprob is not None and not req.logprob.input_done)
+            self.stats["compressed_prefix_hits"] += 1
+            self.stats["compressed_tokens_reused"] += state.layout.num_chunks * self.cfg.chunk_size
+        return state
 
     # ---- prompt done --------------------------------------------------------------------------
     def on_prompt_done(self, req: Req) -> None:
@@ -112,8 +96,6 @@ class ShadowKVManager:
             self.stats["compressed_requests"] += 1
             st.segment = None
         st.compress_now = False
-        self.pool.free(req.temp_pages)
-        req.temp_pages = []
         st.layout = build_layout(req.pages, self.cfg.chunk_size)
 
     def _swap_in_chunk_refs(self, req: Req, seg: Segment) -> None:
@@ -138,8 +120,6 @@ class ShadowKVManager:
         if st.segment is not None:  # aborted before its prompt was compressed
             self.store.free_segment(st.segment)
             st.segment = None
-        self.pool.free(req.temp_pages)
-        req.temp_pages = []
         self.decoder.free_row(st.scratch_row)
         if req.prompt_done and req.finish_reason.get("type") != "abort":
             self._compress_tail(req)
@@ -167,6 +147,19 @@ class ShadowKVManager:
         return request_report(self.store, self.decoder, req.shadow.layout, req.shadow.scratch_row,
                               dense_tokens, self.pool.bytes_per_token, req.num_computed)
 
+    def holders(self) -> dict:
+        """Who holds the compressed state, so that a leak shows: once idle, every segment, chunk
+        slot (one slot of each pool, host values included) and chunk reference is free or the
+        radix tree's, and every scratch row is free."""
+        in_tree = {id(e.segment): e.segment for e in self.tree.entries() if isinstance(e, ChunkRef)}
+        return {"segments": self.store.max_segments, "free_segments": self.store.free_segments,
+                "tree_segments": len(in_tree),
+                "chunk_slots": self.store.chunk_capacity, "free_chunk_slots": self.store.free_chunks,
+                "tree_chunk_slots": sum(seg.num_chunks for seg in in_tree.values()),
+                "chunk_refs": sum(seg.refs for seg in self.store.live.values()),
+                "tree_chunk_refs": self.tree.total_chunks,
+                "scratch_rows": self.decoder.max_rows, "free_scratch_rows": self.decoder.free_rows}
+
     def server_stats(self, running: list[Req]) -> dict:
         """Totals over running requests with a compressed prefix, the cache's compressed state,
         pool capacity, and the cumulative counters."""
@@ -187,7 +180,7 @@ class ShadowKVManager:
                           "mean_per_layer": [round(t / done, 2) for t in self.rank_totals]},
                 "budget": self.decoder.budget_stats(),
                 "running_total": total, "per_request": {r.rid: rep for r, rep in zip(live, reports)},
-                "pools": self.store.capacity_bytes(),
+                "pools": self.store.capacity_bytes(), "holders": self.holders(),
                 "radix_cache": {"compressed_tokens": self.tree.total_chunks * self.cfg.chunk_size,
                                 "evictable_compressed_tokens": self.tree.evictable_chunks * self.cfg.chunk_size},
                 **counters}

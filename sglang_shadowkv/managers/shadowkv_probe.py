@@ -17,7 +17,6 @@ from sglang_shadowkv.shadowkv.compress import compress_layer
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
 from sglang_shadowkv.shadowkv.request_state import segment_layout
-from sglang_shadowkv.shadowkv.restore import restore_chunks
 from sglang_shadowkv.shadowkv.selection_report import SCORING_RULES, layer_report, summarize
 
 from .model_runner import ModelRunner, StepItem
@@ -76,7 +75,6 @@ def _one_config(runner: ModelRunner, row: int, slots: torch.Tensor, queries: dic
                          cfg.landmark_torch_dtype)
     decoder = SparseDecoder(store, cfg, model.rotary, 1, n, dev.type == "cuda")
     seg = store.alloc_segment(0, span, cfg.num_outliers(n))
-    refs = store.chunk_refs(seg)
     plan = decoder.plan_step(runner.req_to_token, [SparseRequest(row, decoder.alloc_row(),
                                                                  segment_layout(seg, cfg.chunk_size), s)])
     positions = torch.arange(s - nq, s, device=dev)
@@ -85,11 +83,11 @@ def _one_config(runner: ModelRunner, row: int, slots: torch.Tensor, queries: dic
         for layer in range(mc.num_layers):
             k, v = pool.k_buffers[layer][slots], pool.v_buffers[layer][slots]
             compress_layer(store, seg, layer, k[:span], v[:span], model.rotary, cfg)
-            k_held, v_held = restore_chunks(store, refs, layer, model.rotary)
+            outliers = (store.outlier_pos[layer][seg.outlier_blocks.long()] - seg.start) // cfg.chunk_size
+            k_held, v_held = held_kv(decoder, seg, layer, plan.rows, k[:span], v[:span], outliers)
             landmarks = store.landmarks[layer][seg.chunk_slots].float()
             if store.landmark_scale is not None:
                 landmarks = landmarks * store.landmark_scale[layer][seg.chunk_slots][..., None]
-            outliers = (store.outlier_pos[layer][seg.outlier_blocks.long()] - seg.start) // cfg.chunk_size
             report = layer_report(queries[layer], positions, k, v, k_held, v_held, landmarks, outliers, cfg, rules)
             q_last = queries[layer][-1:]
             want = ragged_paged_attention_reference(
@@ -104,6 +102,28 @@ def _one_config(runner: ModelRunner, row: int, slots: torch.Tensor, queries: dic
             "compressed_tokens": span, "queries": nq, "ranks": list(seg.ranks), **saving, "layers": layers,
             "summary": summarize([{"layers": layers, "gpu_saving_vs_full": saving["gpu_saving_vs_full"],
                                    "gpu_saving_vs_full_with_bounds": saving["gpu_saving_vs_full_with_bounds"]}])}
+
+
+def held_kv(decoder: SparseDecoder, seg, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            outliers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What decode attends for every compressed chunk of one layer [span, Hkv, D]: keys rebuilt and
+    values gathered through the decoder's own chunk-cache fetch (a scratch-full at a time), outlier
+    chunks [Hkv, o] exact (k, v: the exact keys and values of the span)."""
+    n, c, (h, d) = seg.num_chunks, decoder.pool.chunk_size, k.shape[1:]
+    size, row = decoder.max_entries, int(rows[0])
+    k_held, v_held = k.clone().view(n, c, h, d), v.clone().view(n, c, h, d)
+    heads = torch.arange(h, device=k.device)[:, None]
+    for a in range(0, n, size):
+        piece = seg.chunk_slots[a:a + size].long()
+        m = piece.numel()
+        selected = torch.nn.functional.pad(piece.expand(h, m), (0, size - m), value=-1)[None]
+        entries = decoder.fetch_selected(layer, rows, selected)[0, :, :m]  # [Hkv, m]
+        for held, scratch in ((k_held, decoder.scratch_k), (v_held, decoder.scratch_v)):
+            held[a:a + m] = scratch[layer][row][heads, entries].permute(1, 2, 0, 3).to(held.dtype)
+    for held, exact in ((k_held, k), (v_held, v)):  # outlier chunks stay exact on the GPU
+        exact = exact.view(n, c, h, d)
+        held[outliers.T.long(), :, heads.T] = exact[outliers.T.long(), :, heads.T]
+    return k_held.view(n * c, h, d), v_held.view(n * c, h, d)
 
 
 def _gpu_bytes(store: ShadowKVPool, seg, decoder: SparseDecoder, runner: ModelRunner, dense_tokens: int) -> dict:

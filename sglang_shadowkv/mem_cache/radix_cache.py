@@ -45,9 +45,6 @@ class RadixCache:
         self.page_size = page_size
         self._release = release
         self._clock = itertools.count(1)
-        self.reset_state()
-
-    def reset_state(self) -> None:
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
         self.total_pages = 0  # dense page entries
@@ -158,11 +155,11 @@ class RadixCache:
         return freed
 
     def flush(self) -> bool:
-        """Drop every cached page; refused (False) while any request holds a lock."""
+        """Drop every cached page; refused (False) while any request holds a lock. The root
+        stays: a request that matched nothing holds it, and unlocks it when it ends."""
         if self.evictable_pages != self.total_pages or self.evictable_chunks != self.total_chunks:
             return False
         self.evict(self.total_pages, self.total_chunks)
-        self.reset_state()
         return True
 
     def _leaves(self):
@@ -173,6 +170,14 @@ class RadixCache:
                 stack.extend(node.children.values())
             elif node is not self.root:
                 yield node
+
+    def entries(self):
+        """Every entry the tree holds: dense page ids and compressed chunk references."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield from node.pages
+            stack.extend(node.children.values())
 
     def num_nodes(self) -> int:
         count, stack = 0, [self.root]

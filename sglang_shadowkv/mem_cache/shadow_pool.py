@@ -95,6 +95,7 @@ class ShadowKVPool:
         self.chunk_pos = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self.chunk_basis = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self._free_slots = list(range(slots - 1, 0, -1))
+        self.max_segments = max_segments
         self._free_segments = list(range(max_segments - 1, -1, -1))
         self._free_out_blocks = list(range(out_blocks - 1, 0, -1))
         self.elt = torch.empty((), dtype=dtype).element_size()
@@ -222,6 +223,22 @@ class ShadowKVPool:
         return {"gpu_lowrank_bytes": lowrank, "gpu_landmark_bytes": landmarks,
                 "gpu_outlier_bytes": outliers, "gpu_value_scale_bytes": scales,
                 "gpu_compressed_bytes": lowrank + landmarks + outliers + scales, "host_bytes": host}
+
+    @staticmethod
+    def bytes_per_unit(num_layers: int, num_kv_heads: int, head_dim: int, chunk_size: int, max_rank: int,
+                       max_outliers: int, dtype: torch.dtype, value_dtype: torch.dtype | None,
+                       landmark_dtype: torch.dtype | None) -> dict[str, int]:
+        """What one chunk slot costs on the GPU and on the host, and one segment on the GPU (its
+        bases and outlier blocks): the allocation above, per unit, for sizing the pools."""
+        elt = torch.empty((), dtype=dtype).element_size()
+        value_elt = torch.empty((), dtype=value_dtype or dtype).element_size()
+        landmark_elt = torch.empty((), dtype=landmark_dtype or dtype).element_size()
+        scales = 4 * num_kv_heads * ((value_dtype == torch.int8) + (landmark_dtype == torch.int8))
+        kv_dim = num_kv_heads * head_dim
+        gpu_slot = num_layers * (chunk_size * max_rank * elt + kv_dim * landmark_elt + num_kv_heads + scales) + 8
+        host_slot = num_layers * chunk_size * kv_dim * value_elt
+        segment = num_layers * (max_rank * kv_dim * elt + num_kv_heads * max_outliers * (2 * chunk_size * head_dim * elt + 4))
+        return {"gpu_per_slot": gpu_slot, "host_per_slot": host_slot, "gpu_per_segment": segment}
 
     def capacity_bytes(self) -> dict[str, int]:
         def total(tensors):

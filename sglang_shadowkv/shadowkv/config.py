@@ -1,4 +1,6 @@
-"""ShadowKV parameters (the paper's defaults, scaled to the model) and the sizes derived from them.
+"""ShadowKV parameters and the sizes derived from them. Rank and selection budget default to rules
+that read the data (the keys' spectrum per layer; top-p of the landmark scores per step), because
+the paper's fixed numbers changed a small model's answers (issue 16).
 
 Every field is set from the server flag / Engine keyword of the same name with a `shadowkv_`
 prefix; errors name that keyword.
@@ -6,6 +8,7 @@ prefix; errors name that keyword.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -16,7 +19,10 @@ DEFAULT_RANK_ENERGY = 0.999
 DEFAULT_TOP_P = 0.98
 DEFAULT_MAX_BUDGET = 256
 LOWRANK_METHODS = ("auto", "eigh", "subspace", "svd")
-STORAGE_DTYPES = {"auto": None, "int8": torch.int8}  # None: the model dtype; int8: a scale per chunk and KV head
+# None: the model dtype; int8: a scale per chunk and KV head. "auto" is resolved by the model runner:
+# int8 on a GPU (half the host memory and PCIe bytes of the values, half the landmarks' GPU bytes;
+# greedy agreement equal to bf16's in benchmarks/results/fidelity_*int8*), the model dtype on a CPU
+STORAGE_DTYPES = {"auto": None, "model": None, "int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,10 @@ class ShadowKVConfig:
     value_dtype: str = "auto"  # host values: the model dtype, or int8 with a scale per chunk and KV head
     landmark_dtype: str = "auto"  # landmarks (GPU): likewise
     host_tokens: int | None = None  # capacity of the compressed pools in tokens; None: from the device
-    max_requests: int = 16  # requests in compressed decode at once (each holds a chunk-cache scratch)
+    max_requests: int = 32  # requests in compressed decode at once (each holds a chunk-cache scratch)
+    # a suffix over a compressed prefix up to this many tokens selects chunks per tile of queries;
+    # a longer one attends every chunk (streamed); 0: always every chunk
+    sparse_prefill_max: int = 2048
     # rank cap and adaptive budget: defaults chosen from measurements (README, "ShadowKV")
     rank_cap: int | None = None  # most dims rank_energy keeps per layer (the low-rank pool's width); None: see rank_cap_for
     top_p: float = DEFAULT_TOP_P  # budget "auto": per step, layer and KV head the fewest best chunks holding this score mass
@@ -65,6 +74,8 @@ class ShadowKVConfig:
         for name in ("value_dtype", "landmark_dtype"):
             if getattr(self, name) not in STORAGE_DTYPES:
                 raise bad(name, f"one of {tuple(STORAGE_DTYPES)}", getattr(self, name))
+        if not isinstance(self.sparse_prefill_max, int) or self.sparse_prefill_max < 0:
+            raise bad("sparse_prefill_max", "a non-negative int", self.sparse_prefill_max)
         if self.host_tokens is not None and (not isinstance(self.host_tokens, int) or self.host_tokens < 1):
             raise bad("host_tokens", "a positive int or None", self.host_tokens)
 
@@ -82,6 +93,12 @@ class ShadowKVConfig:
         """dtype of the landmark pool (None: the model's)."""
         return STORAGE_DTYPES[self.landmark_dtype]
 
+    def resolve_storage(self, on_gpu: bool) -> "ShadowKVConfig":
+        """'auto' storage made concrete for the device (see STORAGE_DTYPES)."""
+        auto = "int8" if on_gpu else "model"
+        return dataclasses.replace(self, **{name: auto for name in ("value_dtype", "landmark_dtype")
+                                            if getattr(self, name) == "auto"})
+
     @property
     def energy(self) -> float | None:
         """The energy rule's target (None: a fixed rank)."""
@@ -94,12 +111,14 @@ class ShadowKVConfig:
         return min(kv_dim, self.rank_cap or rank_cap_for(kv_dim))
 
     def describe_rank(self, kv_dim: int) -> str:
+        """The rank rule in words (startup log)."""
         if self.rank is not None:
             return f"rank {self.max_rank(kv_dim)} of {kv_dim} key dims in every layer"
         return (f"rank per layer: the least keeping {self.rank_energy} of the keys' energy, "
                 f"at most {self.max_rank(kv_dim)} of {kv_dim} key dims")
 
     def describe_budget(self) -> str:
+        """The budget rule in words (startup log)."""
         if self.budget == "auto":
             return (f"budget per step, layer and KV head: the fewest chunks holding {self.top_p} of the "
                     f"score mass, {self.min_budget_chunks} to {self.max_budget}")

@@ -64,6 +64,7 @@ class SparseDecoder:
         self.max_entries = cfg.budget_chunks(self.max_chunks)
         h, c, d = pool.num_kv_heads, pool.chunk_size, pool.head_dim
         # one extra row: the scratch of dense and padded batch entries, which never select a chunk
+        self.max_rows = max_rows
         self.dummy_row = max_rows
         shape = (max_rows + 1, h, self.max_entries, c, d)
         gpu = dict(dtype=pool.dtype, device=pool.device)

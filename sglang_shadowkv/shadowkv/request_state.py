@@ -89,4 +89,7 @@ class ShadowReqState:
     scratch_row: int  # the request's chunk-cache scratch in the SparseDecoder
     segment: Segment | None = None  # its own prompt span to compress at prefill (None: nothing)
     compress_now: bool = False  # this step completes the prompt: compress after each layer's attention
-    layout: CompressedLayout | None = None  # set when the prompt is done: decode runs the sparse path
+    # its compressed prefix (None: none yet): the matched one from admission, then with its own
+    # segment once the prompt is done; the suffix prefill and decode read it
+    layout: CompressedLayout | None = None
+    exact_prefill: bool = False  # its suffix attends every compressed chunk (suffix_prefill.py)

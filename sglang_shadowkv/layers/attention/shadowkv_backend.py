@@ -1,24 +1,27 @@
 """ShadowKV behind the attention-backend interface.
 
-Prompts and requests that stay dense go through the wrapped dense backend; decode tokens of
-requests with a compressed prefix go through the sparse decoder. In the step that completes a
-request's long prompt, each layer compresses its segment right after its dense attention has run,
-so the dense prefill is exact and the dense pages of the segment can be freed after the step.
-Outside a step, `compress_span` compresses a request's long dense tail when it finishes, and
-`restore` brings compressed chunks back dense for a suffix prefill.
+A step's requests take one of three paths: those without a compressed prefix go through the
+wrapped dense backend; decode tokens of requests with one go through the sparse decoder; prompt
+chunks after a compressed prefix (a question over a cached document) through the sparse suffix
+prefill. In the step that completes a request's long prompt, each layer compresses its segment
+right after its attention has run, so the prefill is exact over its own tokens and their dense
+pages can be freed after the step. Outside a step, `compress_span` compresses a request's long
+dense tail when it finishes.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
 from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool
-from sglang_shadowkv.mem_cache.shadow_pool import ChunkRef, Segment, ShadowKVPool
+from sglang_shadowkv.mem_cache.shadow_pool import Segment, ShadowKVPool
 from sglang_shadowkv.shadowkv.compress import compress_layer
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
-from sglang_shadowkv.shadowkv.restore import restore_chunks
+from sglang_shadowkv.shadowkv.suffix_prefill import SuffixPlan, SuffixPrefill, SuffixRequest
 
 from .base import NO_GRAPH, AttentionBackend, ForwardBatch
 
@@ -32,14 +35,15 @@ class ShadowKVAttentionBackend(AttentionBackend):
         super().__init__(dense.pool, dense.num_heads, dense.head_dim)
         self.dense, self.store, self.cfg, self.rotary = dense, store, cfg, rotary
         self.req_to_token, self.decoder = req_to_token, decoder
+        self.suffix = SuffixPrefill(decoder, decoder.use_triton)
 
     def begin_step(self, batch: ForwardBatch) -> None:
         shadow = batch.shadow or [None] * batch.batch_size
-        sparse = [i for i, st in enumerate(shadow) if st is not None and st.layout is not None]
-        dense = [i for i in range(batch.batch_size) if i not in set(sparse)]
-        if any(batch.extend_lens[i] != 1 for i in sparse):
-            raise ValueError("a compressed request can only decode one token per step")
-        if not sparse:
+        compressed = [st is not None and st.layout is not None for st in shadow]
+        sparse = [i for i in range(batch.batch_size) if compressed[i] and batch.extend_lens[i] == 1]
+        suffix = [i for i in range(batch.batch_size) if compressed[i] and batch.extend_lens[i] > 1]
+        dense = [i for i in range(batch.batch_size) if not compressed[i]]
+        if len(dense) == batch.batch_size:
             self.dense_batch, self.dense_rows = batch, None
         elif dense:
             self.dense_batch, self.dense_rows = batch.subset(dense)
@@ -51,6 +55,10 @@ class ShadowKVAttentionBackend(AttentionBackend):
         if sparse:
             self.sparse_rows = batch.q_indptr[sparse].long()  # each request's only token
             self.plan = self.decoder.plan_step(self.req_to_token, [self._sparse_request(batch, i) for i in sparse])
+        q_starts = [0, *itertools.accumulate(batch.extend_lens)]
+        self.suffix_plans: list[SuffixPlan] = [self.suffix.plan(self.req_to_token, SuffixRequest(
+            batch.pool_rows[i], shadow[i].scratch_row, shadow[i].layout, batch.seq_lens[i] - batch.extend_lens[i],
+            batch.seq_lens[i], shadow[i].exact_prefill), (q_starts[i], q_starts[i + 1])) for i in suffix]
         self.to_compress = [(batch.pool_rows[i], st) for i, st in enumerate(shadow)
                             if st is not None and st.compress_now]
 
@@ -89,17 +97,22 @@ class ShadowKVAttentionBackend(AttentionBackend):
         reqs = [self._sparse_request(batch, i) for i in range(batch.batch_size)]
         self.plan = self.decoder.plan_step(self.req_to_token, reqs, width=variant, static=True)
         self.dense_batch = self.dense_rows = self.sparse_rows = None
-        self.to_compress = []
+        self.suffix_plans, self.to_compress = [], []
 
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        if self.plan is None:
+        if self.dense_batch is not None and self.dense_rows is None:  # every row is dense
             out = self.dense.attend(q, layer, self.dense_batch)
-        elif self.dense_batch is None:  # every row decodes sparsely
+        elif self.plan is not None and self.dense_batch is None and not self.suffix_plans:  # all decode sparsely
             out = self.decoder.attend(q, layer, self.plan, self.pool)
         else:
             out = torch.empty_like(q)
-            out[self.dense_rows] = self.dense.attend(q[self.dense_rows], layer, self.dense_batch)
-            out[self.sparse_rows] = self.decoder.attend(q[self.sparse_rows], layer, self.plan, self.pool)
+            if self.dense_batch is not None:
+                out[self.dense_rows] = self.dense.attend(q[self.dense_rows], layer, self.dense_batch)
+            if self.plan is not None:
+                out[self.sparse_rows] = self.decoder.attend(q[self.sparse_rows], layer, self.plan, self.pool)
+            for plan in self.suffix_plans:
+                a, b = plan.q_rows
+                out[a:b] = self.suffix.attend(q[a:b], layer, plan, self.pool)
         for row, st in self.to_compress:
             self._compress_layer(row, st.segment, layer)
         return out
@@ -113,12 +126,3 @@ class ShadowKVAttentionBackend(AttentionBackend):
         """Compress the segment's span of a request's dense KV, every layer (outside a step)."""
         for layer in range(len(self.pool.k_buffers)):
             self._compress_layer(row, seg, layer)
-
-    def restore(self, row: int, start: int, refs: list[ChunkRef]) -> None:
-        """Write the dense K/V of consecutive chunks, from token `start` on, into the slots the
-        request's table row gives those tokens, every layer."""
-        slots = self.req_to_token.table[row, start:start + len(refs) * self.store.chunk_size].long()
-        for layer in range(len(self.pool.k_buffers)):
-            k, v = restore_chunks(self.store, refs, layer, self.rotary)
-            self.pool.k_buffers[layer][slots] = k
-            self.pool.v_buffers[layer][slots] = v
