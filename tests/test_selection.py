@@ -127,6 +127,29 @@ def test_budget_summary_mean_and_p99():
     assert got["head_steps"] == 1500 and got["max_chunks"] == 32
 
 
+def test_budget_counting_is_per_row_layer_and_head():
+    """The decoder's histogram (scatter_add_ on the device, safe inside a CUDA graph) against plain
+    counting: padding rows (the dummy row) land only in their own row."""
+    from types import SimpleNamespace
+
+    from sglang_shadowkv.shadowkv.decode import SparseDecoder
+
+    gen = torch.Generator().manual_seed(4)
+    rows_n, layers, width, h = 4, 3, 10, 2
+    dec = SimpleNamespace(budget_hist=torch.zeros(rows_n + 1, layers, width + 1, dtype=torch.int64))
+    want = torch.zeros_like(dec.budget_hist)
+    for step in range(20):
+        rows = torch.randint(0, rows_n + 1, (3,), generator=gen, dtype=torch.int32)
+        counts = torch.randint(0, width + 1, (3, h), generator=gen)
+        selected = torch.where(torch.arange(width) < counts[..., None], 7, -1)
+        layer = step % layers
+        SparseDecoder._count_budgets(dec, layer, rows, selected)
+        for r, row_counts in zip(rows.tolist(), counts.tolist()):
+            for c in row_counts:
+                want[r, layer, c] += 1
+    assert torch.equal(dec.budget_hist, want)
+
+
 def test_budget_and_rank_settings():
     cfg = ShadowKVConfig()
     assert cfg.budget == "auto" and cfg.top_p_or_none == cfg.top_p and cfg.energy == cfg.rank_energy
@@ -149,7 +172,8 @@ def test_engine_report_agrees_with_the_decode_path(engine):
     from tests.test_shadowkv import long_prompt
 
     ids = long_prompt(engine.tokenizer, 800, 7)
-    rep = engine.shadowkv_report(input_ids=ids, num_queries=1, min_context=512)
+    rep, fixed = engine.shadowkv_report(input_ids=ids, num_queries=1, settings=[
+        {"min_context": 512}, {"min_context": 512, "rank": 32, "budget": 0.05}])  # one prefill for both
     assert rep["compressed_tokens"] == (800 - 64) // 8 * 8 and len(rep["layers"]) == 30
     assert all(1 <= r <= 160 for r in rep["ranks"]) and len(set(rep["ranks"])) > 1  # the energy rule, per layer
     for lay in rep["layers"]:
@@ -159,6 +183,5 @@ def test_engine_report_agrees_with_the_decode_path(engine):
     summary = rep["summary"]
     assert summary["rank_per_layer"] == rep["ranks"] and rep["gpu_saving_vs_full"] > rep["gpu_saving_vs_full_with_bounds"]
     assert set(summary["rules"]) == {"mean", "bounds", "oracle"} and "recall" in format_report(summary)
-    fixed = engine.shadowkv_report(input_ids=ids, num_queries=2, min_context=512, rank=32, budget=0.05)
     assert fixed["ranks"] == [32] * 30 and fixed["summary"]["lowrank_output_error"] > summary["lowrank_output_error"]
     assert fixed["summary"]["rules"]["oracle"]["chunks_mean"] == 32  # the floor: 5% of 92 chunks is less

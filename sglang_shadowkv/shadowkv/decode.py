@@ -232,9 +232,9 @@ class SparseDecoder:
     def _count_budgets(self, layer: int, rows: torch.Tensor, selected: torch.Tensor) -> None:
         """Add this step's chunk count of every KV head to its row's histogram (on the device)."""
         counts = (selected >= 0).sum(-1)  # [R, H]
-        row_idx = rows.long()[:, None].expand_as(counts)
-        self.budget_hist.index_put_((row_idx, torch.full_like(counts, layer), counts),
-                                    torch.ones_like(counts), accumulate=True)
+        _, layers, width = self.budget_hist.shape
+        cells = (rows.long()[:, None] * layers + layer) * width + counts  # scatter_add_: no host sync
+        self.budget_hist.view(-1).scatter_add_(0, cells.flatten(), torch.ones_like(cells.flatten()))
 
     def fetch_selected(self, layer: int, rows: torch.Tensor, selected: torch.Tensor,
                        count_hits: bool = False) -> torch.Tensor:
