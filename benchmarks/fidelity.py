@@ -33,6 +33,7 @@ from benchmarks.corpus import document  # noqa: E402
 from benchmarks.engine_flags import add_engine_flags, engine_overrides  # noqa: E402
 from sglang_shadowkv import Engine  # noqa: E402
 from sglang_shadowkv.sampling_params import SamplingParams  # noqa: E402
+from sglang_shadowkv.shadowkv.config import ShadowKVConfig  # noqa: E402
 from sglang_shadowkv.shadowkv.selection_report import format_report, summarize  # noqa: E402
 
 QUESTION = "\n\nIn two sentences, what is the text above about?"
@@ -108,8 +109,10 @@ def main() -> None:
                      "chunk_cache_hit_rate": info["chunk_cache_hit_rate"],
                      "gpu_saving_vs_full": info["gpu_saving_vs_full"], "seconds_full": t1 - t0,
                      "seconds_shadowkv": t2 - t1, "full_text": want["text"], "shadowkv_text": got["text"]})
-    reports = [full.shadowkv_report(input_ids=chat_prompt(full, args.prompt_tokens, seed), config=cfg,
-                                    num_queries=args.report_queries)
+    settings = [{k.removeprefix("shadowkv_"): v for k, v in overrides.items()
+                 if k.removeprefix("shadowkv_") in ShadowKVConfig.__dataclass_fields__}]
+    reports = [full.shadowkv_report(input_ids=chat_prompt(full, args.prompt_tokens, seed), settings=settings,
+                                    num_queries=args.report_queries)[0]
                for seed in tqdm(range(min(args.report_prompts, args.num_prompts)), desc="selection reports")]
     report = summarize(reports)
     agreement = sum(r["agreement"] for r in rows) / len(rows)

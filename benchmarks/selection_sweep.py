@@ -9,7 +9,7 @@ saving against a full KV cache. Prompts: two chat prompts over stdlib prose (fid
 memo of memo_retrieval.py and a multi-needle NIAH haystack, about 6K tokens each.
 
     python benchmarks/selection_sweep.py                 # both sweeps, CPU (~40 min on 2 cores)
-    python benchmarks/selection_sweep.py --sweeps rank
+    python benchmarks/selection_sweep.py --sweeps rank --prompts memo
 
 Writes JSON (per sweep, setting and prompt the report's summary); prints one line per setting.
 """
@@ -49,17 +49,21 @@ def prompts(engine: Engine) -> dict[str, list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None)
+    ap.add_argument("--attention-backend", default=None, help="torch | triton | flashinfer (default: best)")
     ap.add_argument("--sweeps", nargs="+", default=list(SWEEPS), choices=list(SWEEPS))
+    ap.add_argument("--prompts", nargs="+", default=None, help="names of prompts() to run (default: all)")
     ap.add_argument("--queries", type=int, default=16, help="last prompt queries per prompt")
     ap.add_argument("--out", default="benchmarks/results/selection_sweep.json")
     args = ap.parse_args()
-    engine = Engine(model_path=args.model_path, max_total_tokens=16384, chunked_prefill_size=2048,
+    engine = Engine(model_path=args.model_path, attention_backend=args.attention_backend, max_total_tokens=16384, chunked_prefill_size=2048,
                     max_running_requests=2, dtype="float32")
     result = {"model": engine.get_server_info()["model_path"], "queries": args.queries, "sweeps": {}}
     for name, ids in prompts(engine).items():
+        if args.prompts and name not in args.prompts:
+            continue
         for sweep in args.sweeps:
-            for setting, fields in SWEEPS[sweep].items():
-                rep = engine.shadowkv_report(input_ids=ids, num_queries=args.queries, **fields)
+            reps = engine.shadowkv_report(input_ids=ids, num_queries=args.queries, settings=list(SWEEPS[sweep].values()))
+            for setting, rep in zip(SWEEPS[sweep], reps):
                 row = {"prompt_tokens": len(ids), "ranks": rep["ranks"], **rep["summary"]}
                 result["sweeps"].setdefault(sweep, {}).setdefault(setting, {})[name] = row
                 rules = row["rules"]

@@ -156,24 +156,27 @@ class Engine:
         return self.scheduler.server_info()
 
     def shadowkv_report(self, prompt: str | None = None, input_ids: list[int] | None = None,
-                        config: ShadowKVConfig | None = None, num_queries: int = 16, **overrides: Any) -> dict:
+                        settings: list[dict] | None = None, num_queries: int = 16) -> list[dict]:
         """How ShadowKV would attend over one long prompt, layer by layer, against exact attention
         on the side: the ranks chosen, per scoring rule the recall of attention mass and the chunks
         chosen, the output error of the low-rank keys alone and of the whole approximation, and
         the GPU saving (managers/shadowkv_probe.py). Works on any engine (also attention="full").
-        config: the ShadowKV settings (default: this engine's); overrides: fields of it to change.
-        `shadowkv.selection_report.format_report(report["summary"])` prints it as a table."""
+        settings: one report per entry, each a dict of ShadowKVConfig fields changed from this
+        engine's (default: one report at this engine's); the prompt is prefilled once for all.
+        `shadowkv.selection_report.format_report(report["summary"])` prints one as a table."""
         batch, single = self._normalize_prompts(prompt, input_ids)
         if not single:
             raise ValueError("shadowkv_report takes one prompt (a string or one list of token ids)")
         ids = batch[0]
-        cfg = dataclasses.replace(config or ShadowKVConfig.from_server_args(self.server_args), **overrides)
         with self._lock:
-            scheduler = self.scheduler
-            pages = -(-len(ids) // scheduler.runner.pool.page_size)
-            if scheduler.runner.pool.num_free < pages:  # cached prefixes make room
-                scheduler.tree.evict(pages - scheduler.runner.pool.num_free)
-            return shadowkv_report(scheduler.runner, ids, [cfg], num_queries)[0]
+            runner = self.scheduler.runner
+            base = ShadowKVConfig.from_server_args(self.server_args)
+            configs = [dataclasses.replace(base, **fields).resolve_storage(runner.device.type == "cuda")
+                       for fields in settings or [{}]]
+            pages = -(-len(ids) // runner.pool.page_size)
+            if runner.pool.num_free < pages:  # cached prefixes make room
+                self.scheduler.tree.evict(pages - runner.pool.num_free)
+            return shadowkv_report(runner, ids, configs, num_queries)
 
     def shutdown(self) -> None:
         """Release the model and caches now (a generate() running in another thread finishes first)."""
