@@ -475,6 +475,14 @@ def measure_shadowkv(args, context: int, workload: str, ratio: float, storage: s
     return {"rows": rows, "breakdown": bd}
 
 
+def chosen_settings(bd: dict) -> str:
+    """What ShadowKV's data-driven defaults chose on a workload (a breakdown's ranks and budget)."""
+    ranks, budget = bd["ranks"], bd["budget"]
+    return (f"ranks {min(ranks)}..{max(ranks)} (mean {sum(ranks) / len(ranks):.0f}), chunks per KV head and step "
+            f"{budget['mean_chunks']:.1f} (p99 up to {max(budget['p99_chunks_per_layer'])}, cap {budget['max_chunks']}), "
+            f"hit rate {bd['chunk_cache_hit_rate']:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="random:llama-3.1-8b", help="a random:* preset (random weights)")
@@ -569,9 +577,7 @@ def main() -> None:
               f"{r['gpu_bytes_per_seq'] / 1e9:10.2f}")
     for key, bd in result["breakdown"].items():
         if "ranks" in bd:
-            print(f"{key}: ranks {min(bd['ranks'])}..{max(bd['ranks'])} (mean {sum(bd['ranks']) / len(bd['ranks']):.0f}), "
-                  f"chunks per KV head and step {bd['budget']['mean_chunks']:.1f} (p99 up to "
-                  f"{max(bd['budget']['p99_chunks_per_layer'])}, cap {bd['budget']['max_chunks']})")
+            print(f"{key}: {chosen_settings(bd)}")
         print(f"{key}: " + ", ".join(f"{k} {v:.3f}" for k, v in bd["ms_per_layer"].items()) + " ms/layer"
               + (f"; gather {bd['gather_GBps']:.1f} GB/s = {bd['gather_vs_pcie']:.0%} of PCIe" if bd.get("gather_GBps") else "")
               + (f"; equivalent bandwidth {bd['equivalent_bandwidth_TBps']:.2f} TB/s" if "equivalent_bandwidth_TBps" in bd else ""))
