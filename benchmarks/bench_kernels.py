@@ -233,8 +233,8 @@ def dense_layer_seconds(context: int) -> float:
         return timeit(lambda: layer(x, pos, rotary, _CausalSdpa(), None), reps=5, warmup=1)
 
 
-COMPRESSION_METHODS = {"eigh": {}, "subspace": {}, "subspace_energy": {"lowrank_method": "subspace",
-                                                                      "rank_energy": 0.99}, "svd": {}}
+COMPRESSION_METHODS = {"eigh": {}, "subspace": {}, "subspace_energy": {"lowrank_method": "subspace", "rank": None,
+                                                                      "rank_cap": RANK, "rank_energy": 0.99}, "svd": {}}
 
 
 def compression_parts(k: torch.Tensor, rotary: RotaryEmbedding) -> dict:
@@ -299,7 +299,7 @@ def compression_cost(context: int) -> dict:
             row[f"compress_{name}_ms"] = timeit(lambda: compress(False), reps=5, warmup=1) * 1e3
             row[f"compress_{name}_with_host_copy_ms"] = timeit(lambda: compress(True), reps=5, warmup=1) * 1e3
         row[f"{name}_share_of_dense"] = row[f"compress_{name}_ms"] / row["dense_layer_ms"]
-        b = low_rank_basis(x, RANK, mcfg.rank_energy, mcfg.lowrank_method)
+        b = low_rank_basis(x, RANK, mcfg.energy, mcfg.lowrank_method)
         row[f"{name}_rank"] = b.shape[0]
         row[f"{name}_error_vs_svd"] = rel_error(b) / rel_error(svd_rows[:b.shape[0]])
     return row

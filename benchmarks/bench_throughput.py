@@ -462,7 +462,10 @@ def measure_shadowkv(args, context: int, workload: str, ratio: float, storage: s
               f"hit {rate['eager']['chunk_cache_hit_rate']:.2f}", flush=True)
     bd = breakdown(runner, items)
     scfg, pool, elem = runner.shadow_cfg, runner.shadow_pool, 2 if CUDA else 4
-    selected = scfg.budget_chunks(context // scfg.chunk_size - scfg.outliers)
+    # what the defaults chose on this workload: ranks per layer, chunks per KV head and step
+    bd["ranks"] = next(iter(pool.live.values())).ranks
+    bd["budget"] = runner.decoder.budget_stats()
+    selected = bd["budget"]["mean_chunks"]
     bd["gather_vs_pcie"] = bd["gather_GBps"] and bd["gather_GBps"] / bw["pcie_pinned_h2d_GBps"]
     bd["equivalent_bandwidth_TBps"] = equivalent_bandwidth(
         context, scfg.chunk_size, selected, scfg.outliers, bd["chunk_cache_hit_rate"],
@@ -470,6 +473,14 @@ def measure_shadowkv(args, context: int, workload: str, ratio: float, storage: s
         bw["hbm_copy_GBps"], bw["pcie_pinned_h2d_GBps"] * elem / pool.host_elt,
         pool.landmarks[0].element_size() / elem) / 1e3
     return {"rows": rows, "breakdown": bd}
+
+
+def chosen_settings(bd: dict) -> str:
+    """What ShadowKV's data-driven defaults chose on a workload (a breakdown's ranks and budget)."""
+    ranks, budget = bd["ranks"], bd["budget"]
+    return (f"ranks {min(ranks)}..{max(ranks)} (mean {sum(ranks) / len(ranks):.0f}), chunks per KV head and step "
+            f"{budget['mean_chunks']:.1f} (p99 up to {max(budget['p99_chunks_per_layer'])}, cap {budget['max_chunks']}), "
+            f"hit rate {bd['chunk_cache_hit_rate']:.2f}")
 
 
 def main() -> None:
@@ -565,6 +576,8 @@ def main() -> None:
               f"{graph if graph is None else round(graph, 1)!s:>11} {r['eager'].get('chunk_cache_hit_rate', float('nan')):5.2f} "
               f"{r['gpu_bytes_per_seq'] / 1e9:10.2f}")
     for key, bd in result["breakdown"].items():
+        if "ranks" in bd:
+            print(f"{key}: {chosen_settings(bd)}")
         print(f"{key}: " + ", ".join(f"{k} {v:.3f}" for k, v in bd["ms_per_layer"].items()) + " ms/layer"
               + (f"; gather {bd['gather_GBps']:.1f} GB/s = {bd['gather_vs_pcie']:.0%} of PCIe" if bd.get("gather_GBps") else "")
               + (f"; equivalent bandwidth {bd['equivalent_bandwidth_TBps']:.2f} TB/s" if "equivalent_bandwidth_TBps" in bd else ""))

@@ -99,7 +99,6 @@ def main() -> None:
     if args.turns > len(WORDS):
         ap.error(f"--turns must be at most {len(WORDS)} (distinct needle words)")
     overrides = engine_overrides(args)
-    overrides.setdefault("shadowkv_min_context", 2048)  # the document is compressed on the 8K model
     common = dict(model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
                   attention_backend=args.attention_backend, max_running_requests=2,
                   max_total_tokens=4 * args.doc_tokens, chunked_prefill_size=2048, **overrides)

@@ -5,7 +5,7 @@ filler, random needle values, no download). Every prompt runs through one Engine
 same engine build, the cache flushed between prompts so each prompt stands alone); a prompt counts
 as retrieved when the needle's value appears in the greedy answer.
 
-    python benchmarks/niah.py                    # CPU, embedded SmolLM2: 1K..7.5K x 5 depths x 2 forms
+    python benchmarks/niah.py                    # CPU, embedded SmolLM2: 1K..7.5K x 5 depths x 3 forms
     python benchmarks/niah.py --methods full shadowkv snapkv --lengths 2048 4096 --shadowkv-rank 64
 
 Writes JSON (top-level "accuracy": method -> overall accuracy, beside every cell) and a heatmap
@@ -26,7 +26,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.engine_flags import add_engine_flags, engine_overrides  # noqa: E402
-from benchmarks.haystack import FORMS, make_needle, niah_prompt  # noqa: E402
+from benchmarks.haystack import FORMS, grid_needles, niah_prompt  # noqa: E402
 from sglang_shadowkv import Engine  # noqa: E402
 from sglang_shadowkv.server_args import ATTENTION_MODES  # noqa: E402
 
@@ -38,9 +38,9 @@ def build_prompts(engine: Engine, args) -> list[dict]:
             for depth in args.depths:
                 for sample in range(args.samples):
                     rng = random.Random(f"{args.seed}/{form}/{length}/{depth}/{sample}")
-                    needle = make_needle(form, rng)
+                    needle, hidden = grid_needles(form, depth, rng)
                     cases.append({"form": form, "length": length, "depth": depth, "sample": sample,
-                                  "needle": needle, "ids": niah_prompt(engine, length, depth, needle)})
+                                  "needle": needle, "ids": niah_prompt(engine, length, depth, needle, hidden)})
     return cases
 
 

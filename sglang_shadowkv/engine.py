@@ -13,6 +13,7 @@ hook does not keep the engine alive). Any call after that raises EngineShutDown.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import itertools
 import logging
@@ -29,8 +30,10 @@ from sglang_shadowkv.managers.io_struct import GenerateReq
 from sglang_shadowkv.managers.logprobs import LogprobOptions
 from sglang_shadowkv.managers.parallel_sampling import expand_parallel
 from sglang_shadowkv.managers.scheduler import Scheduler
+from sglang_shadowkv.managers.shadowkv_probe import shadowkv_report
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
+from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +154,29 @@ class Engine:
 
     def get_server_info(self) -> dict:
         return self.scheduler.server_info()
+
+    def shadowkv_report(self, prompt: str | None = None, input_ids: list[int] | None = None,
+                        settings: list[dict] | None = None, num_queries: int = 16) -> list[dict]:
+        """How ShadowKV would attend over one long prompt, layer by layer, against exact attention
+        on the side: the ranks chosen, per scoring rule the recall of attention mass and the chunks
+        chosen, the output error of the low-rank keys alone and of the whole approximation, and
+        the GPU saving (managers/shadowkv_probe.py). Works on any engine (also attention="full").
+        settings: one report per entry, each a dict of ShadowKVConfig fields changed from this
+        engine's (default: one report at this engine's); the prompt is prefilled once for all.
+        `shadowkv.selection_report.format_report(report["summary"])` prints one as a table."""
+        batch, single = self._normalize_prompts(prompt, input_ids)
+        if not single:
+            raise ValueError("shadowkv_report takes one prompt (a string or one list of token ids)")
+        ids = batch[0]
+        with self._lock:
+            runner = self.scheduler.runner
+            base = ShadowKVConfig.from_server_args(self.server_args)
+            configs = [dataclasses.replace(base, **fields).resolve_storage(runner.device.type == "cuda")
+                       for fields in settings or [{}]]
+            pages = -(-len(ids) // runner.pool.page_size)
+            if runner.pool.num_free < pages:  # cached prefixes make room
+                self.scheduler.tree.evict(pages - runner.pool.num_free)
+            return shadowkv_report(runner, ids, configs, num_queries)
 
     def shutdown(self) -> None:
         """Release the model and caches now (a generate() running in another thread finishes first)."""

@@ -45,10 +45,10 @@ class ServerArgs:
     enable_metrics: bool = False  # server: Prometheus metrics at GET /metrics
     # ShadowKV (used with attention="shadowkv"); meanings in shadowkv/config.py
     shadowkv_rank: int | None = _SKV.rank
-    shadowkv_rank_energy: float | None = _SKV.rank_energy
+    shadowkv_rank_energy: float = _SKV.rank_energy
     shadowkv_chunk_size: int = _SKV.chunk_size
     shadowkv_outliers: int = _SKV.outliers
-    shadowkv_budget: float = _SKV.budget
+    shadowkv_budget: str | float = _SKV.budget
     shadowkv_min_budget_chunks: int = _SKV.min_budget_chunks
     shadowkv_local_window: int = _SKV.local_window
     shadowkv_min_context: int = _SKV.min_context
@@ -59,6 +59,9 @@ class ServerArgs:
     shadowkv_max_requests: int = _SKV.max_requests
     shadowkv_sparse_prefill_max: int = _SKV.sparse_prefill_max
     shadowkv_host_mem_fraction: float = 0.5  # GPU: share of the machine's available memory for host values
+    shadowkv_rank_cap: int | None = _SKV.rank_cap
+    shadowkv_top_p: float = _SKV.top_p
+    shadowkv_max_budget: int = _SKV.max_budget
     # KV-eviction baselines (attention="streamingllm" or "snapkv"); see layers/attention/eviction_backend.py
     eviction_budget: int = 1024  # KV tokens kept per KV head
     streamingllm_sinks: int = 4  # first tokens StreamingLLM always keeps
@@ -143,11 +146,14 @@ class ServerArgs:
                                         "back (by default the CPU schedules step N+1 while the GPU runs step N)",
             "skip_server_warmup": "GPU: start serving without the warmup requests that compile every kernel "
                                   "first (otherwise the first user request pays for Triton/FlashInfer compilation)",
-            "shadowkv_rank": "low-rank key dims (default: 160 per 1024 key dims, the paper's ratio)",
-            "shadowkv_rank_energy": "per layer, least rank keeping this energy fraction (capped by rank)",
+            "shadowkv_rank": "fixed low-rank key dims for every layer (default: chosen per layer by "
+                             "--shadowkv-rank-energy)",
+            "shadowkv_rank_energy": "per layer, the least rank keeping this share of the keys' singular-value "
+                                    "energy (capped by --shadowkv-rank-cap)",
             "shadowkv_chunk_size": "tokens per chunk: one landmark, one unit of selection",
             "shadowkv_outliers": "chunks per KV head kept dense on the GPU",
-            "shadowkv_budget": "chunks selected per step, as a fraction of the context",
+            "shadowkv_budget": "chunks selected per step: auto (per step, layer and KV head, the fewest "
+                               "chunks holding --shadowkv-top-p of the score mass) or a fixed fraction of the context",
             "shadowkv_min_budget_chunks": "floor of the selection budget in chunks",
             "shadowkv_local_window": "most recent prompt tokens kept dense",
             "shadowkv_min_context": "prompts shorter than this stay dense",
@@ -164,6 +170,10 @@ class ServerArgs:
             "shadowkv_sparse_prefill_max": "a prompt suffix over a cached compressed document up to this many "
                                            "tokens attends the chunks it selects (per 64 queries); a longer "
                                            "one attends every chunk, streamed; 0: always every chunk",
+            "shadowkv_rank_cap": "most low-rank dims per layer, also the low-rank pool's width (default: "
+                                 "160, scaled up with key dims past 1024)",
+            "shadowkv_top_p": "budget auto: score mass the selected chunks must hold",
+            "shadowkv_max_budget": "budget auto: most chunks selected per KV head and step",
         }
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")

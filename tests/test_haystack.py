@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from benchmarks.haystack import FORMS, INTRO, haystack, make_needle, niah_prompt
+from benchmarks.haystack import INTRO, MULTI_NEEDLES, NEEDLE_FORMS, grid_needles, haystack, make_needle, niah_prompt
 
 
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", NEEDLE_FORMS)
 def test_needle_lands_at_its_depth_and_prompt_has_the_asked_size(engine, form):
     tok = engine.tokenizer
     for depth in (0.0, 0.5, 1.0):
@@ -29,3 +29,14 @@ def test_several_needles_keep_their_order_and_unknown_forms_are_refused(engine):
     assert text.index(needles[1].sentence) < text.index(needles[2].sentence) < text.index(needles[0].sentence)
     with pytest.raises(ValueError, match="needle form"):
         make_needle("riddle", rng)
+
+
+def test_multi_needle_form_hides_look_alikes_and_asks_one(engine):
+    needle, hidden = grid_needles("multikv", 0.75, random.Random(1))
+    assert len(hidden) == MULTI_NEEDLES and hidden[0] == (0.75, needle)
+    assert len({n.question for _, n in hidden}) == MULTI_NEEDLES  # distinct words, one shape
+    text = engine.tokenizer.decode(niah_prompt(engine, 1500, 0.75, needle, hidden))
+    assert all(text.count(n.sentence) == 1 for _, n in hidden) and text.count(needle.question) == 1
+    body = text[text.index(INTRO) + len(INTRO):text.index(needle.question)]
+    for depth, n in hidden:
+        assert abs(body.index(n.sentence) / len(body) - depth) < 0.05

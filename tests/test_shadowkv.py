@@ -129,7 +129,9 @@ def test_config_sizes_and_errors():
     assert cfg.compressed_len(99, 8) == 0
     assert cfg.compressed_len(131, 8) == 120 and cfg.compressed_len(131, 16) == 112
     assert cfg.budget_chunks(20) == 4 and cfg.budget_chunks(100) == 10 and cfg.budget_chunks(3) == 3
-    assert ShadowKVConfig().max_rank(1024) == 160 and ShadowKVConfig().max_rank(192) == 30
+    default = ShadowKVConfig()  # the energy rule's cap: the paper's 160, scaled up past 1024 key dims
+    assert default.max_rank(1024) == 160 and default.max_rank(192) == 160 and default.max_rank(2048) == 320
+    assert default.max_rank(96) == 96
     for kwargs, name in [({"budget": 0}, "shadowkv_budget"), ({"rank": -1}, "shadowkv_rank"),
                          ({"lowrank_method": "qr"}, "shadowkv_lowrank_method"),
                          ({"rank_energy": 1.5}, "shadowkv_rank_energy"),
@@ -140,8 +142,7 @@ def test_config_sizes_and_errors():
 
 
 SHADOW_ENGINE = dict(attention="shadowkv", max_total_tokens=16384, chunked_prefill_size=512,
-                     shadowkv_min_context=512, shadowkv_rank=96, shadowkv_min_budget_chunks=64,
-                     shadowkv_host_tokens=4096)
+                     shadowkv_min_context=512, shadowkv_host_tokens=4096)  # rank and budget: the defaults
 
 
 @pytest.fixture(scope="module")
@@ -189,10 +190,20 @@ def test_compressed_decode_follows_full_attention(shadow_engine, engine):
         assert info["gpu_total_bytes"] == (info["gpu_compressed_bytes"] + info["dense_kv_bytes"]
                                            + info["gpu_scratch_bytes"]) and info["host_bytes"] > 0
         assert 0 < info["chunk_cache_hit_rate"] < 1 and len(info["ranks"]) == 30
+        assert all(1 <= r <= 160 for r in info["ranks"]) and len(set(info["ranks"])) > 1  # the energy rule
+        budget = info["budget"]  # chunks per KV head and step, per layer (adaptive: they differ)
+        steps = budget["head_steps"] / (30 * 3)  # every layer and KV head of each decode step
+        assert len(budget["mean_chunks_per_layer"]) == 30 and steps in (len(got["output_ids"]) - 1, len(got["output_ids"]))
+        assert all(0 < m <= p99 <= budget["max_chunks"]
+                   for m, p99 in zip(budget["mean_chunks_per_layer"], budget["p99_chunks_per_layer"]))
+        assert len(set(budget["p99_chunks_per_layer"])) > 1
         assert want["meta_info"]["shadowkv"] == {"compressed_tokens": 0}
         agree += sum(a == b for a, b in zip(got["output_ids"], want["output_ids"]))
         total += len(want["output_ids"])
     assert agree / total >= 0.8
+    server = shadow_engine.get_server_info()["shadowkv"]
+    assert server["ranks"]["last_per_layer"] == info["ranks"] and len(server["ranks"]["mean_per_layer"]) == 30
+    assert server["budget"]["head_steps"] >= budget["head_steps"] and server["config"]["budget"] == "auto"
     assert_pool_clean(shadow_engine)
     assert_shadow_pools_clean(shadow_engine)
 

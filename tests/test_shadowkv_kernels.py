@@ -49,8 +49,9 @@ def test_landmark_logits(group, head_dim, num_chunks, int8):
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("chunk_size,rank", [(8, 30), (8, 64), (4, 17), (16, 40)])
-def test_rebuild_keys(chunk_size, rank):
+def test_rebuild_keys(chunk_size, rank, ranked):
     gen = torch.Generator().manual_seed(chunk_size * 100 + rank)
     batch, hkv, head_dim, entries, slots, bases = 3, 3, 32, 6, 40, 4
     rotary = RotaryEmbedding(head_dim, 10000.0, 2048)
@@ -61,10 +62,19 @@ def test_rebuild_keys(chunk_size, rank):
     jobs = _jobs(gen, batch, hkv, entries, slots)
     rows = torch.tensor([4, 0, 2], dtype=torch.int32)
     scratch = torch.full((5, hkv, entries, chunk_size, head_dim), float("nan"))
+    # each basis its own rank (past it the pool holds garbage that must not be read), one over the width
+    basis_rank = torch.tensor([rank, 1, rank // 2 + 3, rank + 5], dtype=torch.int32).to(DEVICE) if ranked else None
     args = [t.to(DEVICE) for t in (a_rows, basis, rotary.cos_cache, rotary.sin_cache, chunk_pos, chunk_basis, jobs)]
-    got = rebuild_keys(*args, scratch.clone().to(DEVICE), rows.to(DEVICE), chunk_size)
-    want = rebuild_keys_reference(*args, scratch.clone().to(DEVICE), rows.to(DEVICE), chunk_size)
+    got = rebuild_keys(*args, scratch.clone().to(DEVICE), rows.to(DEVICE), chunk_size, basis_rank)
+    want = rebuild_keys_reference(*args, scratch.clone().to(DEVICE), rows.to(DEVICE), chunk_size, basis_rank)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, equal_nan=True)
+    if ranked:  # the reference itself: a chunk of a rank-1 basis is RoPE of its first column's product
+        full = rebuild_keys_reference(*args, scratch.clone().to(DEVICE), rows.to(DEVICE), chunk_size)
+        differs = (full - want).abs().amax((-1, -2)) > 1e-4  # [rows, H, E]
+        slot_basis = chunk_basis[jobs.clamp(min=0).long()]
+        expect = (jobs >= 0) & (slot_basis != 0) & (slot_basis != 3)  # ranks below the width
+        for b, row in enumerate(rows.tolist()):
+            assert torch.equal(differs[row].cpu(), expect[b])
     written = ~want.isnan()
     assert written.any() and (~written).any()  # misses written, hits left alone
 

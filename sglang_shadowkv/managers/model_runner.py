@@ -141,6 +141,7 @@ class ModelRunner:
             landmark_dtype=skv.landmark_torch_dtype)
         self.decoder = SparseDecoder(self.shadow_pool, skv, self.model.rotary, skv.max_requests,
                                      self.context_length // skv.chunk_size, self.device.type == "cuda")
+        logger.info("ShadowKV: %s; %s", skv.describe_rank(cfg.kv_dim), skv.describe_budget())
 
     def _plan_shadowkv_memory(self, args: ServerArgs, skv: ShadowKVConfig, dense_bytes_per_token: int) -> int:
         """Compressed-pool tokens from the GPU and host budgets (mem_cache/memory_plan.py); sets

@@ -35,6 +35,8 @@ class ShadowKVManager:
         self.stats = stats
         stats.update(compressed_requests=0, compressed_tokens=0, compressions=0,
                      compressed_prefix_hits=0, compressed_tokens_reused=0, tail_compressions=0)
+        self.rank_totals = [0] * runner.config.num_layers  # summed over compressions: the mean rank per layer
+        self.last_ranks: list[int] = []
 
     # ---- entries ------------------------------------------------------------------------------
     def release_entries(self, entries: list) -> None:
@@ -104,6 +106,10 @@ class ShadowKVManager:
         req.pages[first:first + len(refs)] = refs
         self.stats["compressions"] += 1
         self.stats["compressed_tokens"] += seg.num_tokens
+        self.rank_totals = [t + r for t, r in zip(self.rank_totals, seg.ranks)]
+        self.last_ranks = list(seg.ranks)
+        logger.info("ShadowKV: compressed %d tokens of request %s, ranks per layer %s", seg.num_tokens, req.rid,
+                    seg.ranks)
 
     # ---- release ------------------------------------------------------------------------------
     def before_release(self, req: Req) -> None:
@@ -168,7 +174,11 @@ class ShadowKVManager:
         counters = {k: self.stats[k] for k in ("compressed_requests", "compressed_tokens", "compressions",
                                                "tail_compressions", "compressed_prefix_hits",
                                                "compressed_tokens_reused")}
+        done = max(1, self.stats["compressions"])
         return {"config": dataclasses.asdict(self.cfg), "running_compressed_requests": len(reports),
+                "ranks": {"last_per_layer": self.last_ranks,
+                          "mean_per_layer": [round(t / done, 2) for t in self.rank_totals]},
+                "budget": self.decoder.budget_stats(),
                 "running_total": total, "per_request": {r.rid: rep for r, rep in zip(live, reports)},
                 "pools": self.store.capacity_bytes(), "holders": self.holders(),
                 "radix_cache": {"compressed_tokens": self.tree.total_chunks * self.cfg.chunk_size,

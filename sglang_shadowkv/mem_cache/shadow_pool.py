@@ -70,6 +70,8 @@ class ShadowKVPool:
         gpu = dict(dtype=dtype, device=self.device)
         self.a_rows = [torch.zeros(slots * chunk_size, max_rank, **gpu) for _ in range(num_layers)]
         self.basis = [torch.zeros(max_segments, max_rank, kv_dim, **gpu) for _ in range(num_layers)]
+        # each basis's rank (<= max_rank): key rebuilds read only that many low-rank columns
+        self.basis_rank = [torch.zeros(max_segments, dtype=torch.int32, device=self.device) for _ in range(num_layers)]
         landmark_dtype = _storage_dtype("landmark_dtype", landmark_dtype, dtype)
         self.landmarks = [torch.zeros(slots, num_kv_heads, head_dim, dtype=landmark_dtype, device=self.device)
                           for _ in range(num_layers)]

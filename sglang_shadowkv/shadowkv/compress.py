@@ -146,11 +146,12 @@ def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.T
     n = seg.num_chunks
     positions = torch.arange(seg.start, seg.start + seg.num_tokens, device=k_post.device)
     k_pre = rotary.apply(k_post, positions, inverse=True, out_dtype=torch.float32).reshape(seg.num_tokens, h * d)
-    basis = low_rank_basis(k_pre, pool.max_rank, cfg.rank_energy, cfg.lowrank_method)
+    basis = low_rank_basis(k_pre, pool.max_rank, cfg.energy, cfg.lowrank_method)
     rank = basis.shape[0]
     padded_basis = torch.zeros(pool.max_rank, h * d, device=basis.device)
     padded_basis[:rank] = basis
     pool.basis[layer][seg.seg_id] = padded_basis.to(pool.dtype)
+    pool.basis_rank[layer][seg.seg_id] = rank
     with tf32_matmuls():
         pool.a_rows[layer][pool.token_rows(seg)] = (k_pre @ padded_basis.T).to(pool.dtype)
 

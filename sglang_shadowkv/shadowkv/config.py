@@ -1,4 +1,6 @@
-"""ShadowKV parameters (the paper's defaults, scaled to the model) and the sizes derived from them.
+"""ShadowKV parameters and the sizes derived from them. Rank and selection budget default to rules
+that read the data (the keys' spectrum per layer; top-p of the landmark scores per step), because
+the paper's fixed numbers changed a small model's answers (issue 16).
 
 Every field is set from the server flag / Engine keyword of the same name with a `shadowkv_`
 prefix; errors name that keyword.
@@ -12,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-PAPER_RANK_PER_1024_KEY_DIMS = 160
-MIN_RANK = 16
+PAPER_RANK, PAPER_KEY_DIMS = 160, 1024  # the paper's rank for an 8B model's 8 x 128 key dims
+DEFAULT_RANK_ENERGY = 0.999
+DEFAULT_TOP_P = 0.98
+DEFAULT_MAX_BUDGET = 256
 LOWRANK_METHODS = ("auto", "eigh", "subspace", "svd")
 # None: the model dtype; int8: a scale per chunk and KV head. "auto" is resolved by the model runner:
 # int8 on a GPU (half the host memory and PCIe bytes of the values, half the landmarks' GPU bytes;
@@ -23,11 +27,11 @@ STORAGE_DTYPES = {"auto": None, "model": None, "int8": torch.int8}
 
 @dataclass(frozen=True)
 class ShadowKVConfig:
-    rank: int | None = None  # low-rank key dims; None: 160 per 1024 key dims (the paper's ratio)
-    rank_energy: float | None = None  # set: per layer the least rank keeping this energy, capped by rank
+    rank: int | None = None  # fixed low-rank key dims for every layer; None: per layer by rank_energy
+    rank_energy: float = DEFAULT_RANK_ENERGY  # per layer the least rank keeping this share of the keys' energy
     chunk_size: int = 8  # tokens per chunk (one landmark, one selection unit)
     outliers: int = 48  # chunks per KV head kept dense on the GPU (the first chunk always is one)
-    budget: float = 0.0156  # selected chunks per KV head per step, as a fraction of the context
+    budget: float | str = "auto"  # chunks per KV head per step: "auto" (top_p), or a fixed fraction of the context
     min_budget_chunks: int = 32  # ... but never fewer than this many
     local_window: int = 64  # the prompt's most recent tokens stay dense (plus every generated token)
     min_context: int = 4096  # shorter prompts stay dense: compression does not pay
@@ -39,6 +43,10 @@ class ShadowKVConfig:
     # a suffix over a compressed prefix up to this many tokens selects chunks per tile of queries;
     # a longer one attends every chunk (streamed); 0: always every chunk
     sparse_prefill_max: int = 2048
+    # rank cap and adaptive budget: defaults chosen from measurements (README, "ShadowKV")
+    rank_cap: int | None = None  # most dims rank_energy keeps per layer (the low-rank pool's width); None: see rank_cap_for
+    top_p: float = DEFAULT_TOP_P  # budget "auto": per step, layer and KV head the fewest best chunks holding this score mass
+    max_budget: int = DEFAULT_MAX_BUDGET  # budget "auto": at most this many chunks (the fixed shape of a step)
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str, got) -> ValueError:
@@ -46,16 +54,21 @@ class ShadowKVConfig:
 
         if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
             raise bad("rank", "a positive int or None", self.rank)
-        if self.rank_energy is not None and not 0.0 < self.rank_energy <= 1.0:
-            raise bad("rank_energy", "in (0, 1] or None", self.rank_energy)
-        for name in ("chunk_size", "outliers", "min_budget_chunks", "min_context", "max_requests"):
+        if not isinstance(self.rank_energy, (int, float)) or not 0.0 < self.rank_energy <= 1.0:
+            raise bad("rank_energy", "in (0, 1]", self.rank_energy)
+        if self.rank_cap is not None and (not isinstance(self.rank_cap, int) or self.rank_cap < 1):
+            raise bad("rank_cap", "a positive int or None", self.rank_cap)
+        object.__setattr__(self, "budget", parse_budget(self.budget))
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]", self.top_p)
+        for name in ("chunk_size", "outliers", "min_budget_chunks", "min_context", "max_requests", "max_budget"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise bad(name, "a positive int", value)
         if not isinstance(self.local_window, int) or self.local_window < 0:
             raise bad("local_window", "a non-negative int", self.local_window)
-        if not 0.0 < self.budget <= 1.0:
-            raise bad("budget", "a fraction in (0, 1]", self.budget)
+        if self.budget != "auto" and not 0.0 < self.budget <= 1.0:
+            raise bad("budget", "'auto' or a fraction in (0, 1]", self.budget)
         if self.lowrank_method not in LOWRANK_METHODS:
             raise bad("lowrank_method", f"one of {LOWRANK_METHODS}", self.lowrank_method)
         for name in ("value_dtype", "landmark_dtype"):
@@ -86,13 +99,35 @@ class ShadowKVConfig:
         return dataclasses.replace(self, **{name: auto for name in ("value_dtype", "landmark_dtype")
                                             if getattr(self, name) == "auto"})
 
+    @property
+    def energy(self) -> float | None:
+        """The energy rule's target (None: a fixed rank)."""
+        return None if self.rank is not None else self.rank_energy
+
     def max_rank(self, kv_dim: int) -> int:
         """Width of the low-rank pools: the fixed rank, or the cap of the energy rule."""
         if self.rank is not None:
             return min(self.rank, kv_dim)
-        if self.rank_energy is not None:
-            return kv_dim
-        return min(kv_dim, max(MIN_RANK, round(PAPER_RANK_PER_1024_KEY_DIMS * kv_dim / 1024)))
+        return min(kv_dim, self.rank_cap or rank_cap_for(kv_dim))
+
+    def describe_rank(self, kv_dim: int) -> str:
+        """The rank rule in words (startup log)."""
+        if self.rank is not None:
+            return f"rank {self.max_rank(kv_dim)} of {kv_dim} key dims in every layer"
+        return (f"rank per layer: the least keeping {self.rank_energy} of the keys' energy, "
+                f"at most {self.max_rank(kv_dim)} of {kv_dim} key dims")
+
+    def describe_budget(self) -> str:
+        """The budget rule in words (startup log)."""
+        if self.budget == "auto":
+            return (f"budget per step, layer and KV head: the fewest chunks holding {self.top_p} of the "
+                    f"score mass, {self.min_budget_chunks} to {self.max_budget}")
+        return f"budget {self.budget} of the chunks, at least {self.min_budget_chunks}"
+
+    @property
+    def top_p_or_none(self) -> float | None:
+        """The adaptive budget's mass target (None: a fixed budget)."""
+        return self.top_p if self.budget == "auto" else None
 
     def compressed_len(self, prompt_len: int, page_size: int) -> int:
         """Tokens of a prompt that go into the compressed segment (0: the prompt stays dense).
@@ -110,6 +145,27 @@ class ShadowKVConfig:
         return max(1, min(self.outliers, num_chunks // 2))
 
     def budget_chunks(self, selectable_chunks: int) -> int:
-        """Chunks each KV head selects per step (never more than it can choose from)."""
-        wanted = max(self.min_budget_chunks, math.ceil(self.budget * selectable_chunks))
+        """Chunks each KV head selects per step (never more than it can choose from); for the
+        adaptive budget the most it may select, which fixes the step's shapes."""
+        if self.budget == "auto":
+            wanted = self.max_budget
+        else:
+            wanted = max(self.min_budget_chunks, math.ceil(self.budget * selectable_chunks))
         return min(wanted, selectable_chunks)
+
+
+def rank_cap_for(kv_dim: int) -> int:
+    """The energy rule's default cap per layer: the paper's rank 160, scaled up with the key dims
+    past 1024 (never down: small models need far more than the paper's ratio), at most kv_dim.
+    It is also the low-rank pool's width, so it bounds the GPU memory of compressed keys."""
+    return min(kv_dim, round(PAPER_RANK * max(1.0, kv_dim / PAPER_KEY_DIMS)))
+
+
+def parse_budget(value) -> float | str:
+    """"auto" or a fraction, also as the text of a command-line flag."""
+    if value == "auto" or isinstance(value, (int, float)):
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"shadowkv_budget must be 'auto' or a fraction in (0, 1], got {value!r}") from None

@@ -23,6 +23,7 @@ from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
 from .chunk_cache import plan_chunk_cache
 from .config import ShadowKVConfig
 from .request_state import CompressedLayout, pad_outliers
+from .selection import select_chunks
 
 
 @dataclass
@@ -72,6 +73,10 @@ class SparseDecoder:
         self.scratch_v = [torch.zeros(shape, **gpu) for _ in range(layers)]
         self.held = [torch.full(shape[:3], -1, dtype=torch.int64, device=pool.device) for _ in range(layers)]
         self.hits = torch.zeros(max_rows + 1, 2, dtype=torch.int64, device=pool.device)  # hits, lookups
+        # per scratch row and layer, how many KV-head steps selected k chunks (column k)
+        self.budget_hist = torch.zeros(max_rows + 1, layers, self.max_entries + 1, dtype=torch.int64,
+                                       device=pool.device)
+        self.finished_budget_hist = torch.zeros(layers, self.max_entries + 1, dtype=torch.int64, device=pool.device)
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.copy_stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._plan_key: tuple | None = None
@@ -95,14 +100,23 @@ class SparseDecoder:
         for held in self.held:  # forget the chunks the row's previous owner held
             held[row] = -1
         self.hits[row] = 0
+        self.budget_hist[row] = 0
         return row
 
     def free_row(self, row: int) -> None:
+        self.finished_budget_hist += self.budget_hist[row]
         self._free_rows.append(row)
 
     def hit_counts(self, row: int) -> tuple[int, int]:
         hits, lookups = self.hits[row].tolist()
         return hits, lookups
+
+    def budget_stats(self, row: int | None = None) -> dict:
+        """Chunks selected per KV head and step, per layer: of one scratch row, or of every request
+        so far (None: the finished ones and the running ones)."""
+        hist = self.finished_budget_hist + self.budget_hist[:self.dummy_row].sum(0) if row is None \
+            else self.budget_hist[row]
+        return budget_summary(hist.cpu(), self.max_entries)
 
     # ---- per step ------------------------------------------------------------------------------
     def init_graph_state(self, max_bs: int, max_window_tokens: int, max_outliers: int) -> None:
@@ -193,6 +207,7 @@ class SparseDecoder:
         logits = self.landmark_logits(q, layer, plan.chunk_slots).view(b, h, -1, plan.chunk_slots.shape[1])
         scores = logits.softmax(-1).amax(2).masked_fill(logits[:, :, 0].isinf(), -1.0)
         selected = self.select(scores, plan.chunk_slots, plan.budgets, plan.top_k)
+        self._count_budgets(layer, plan.rows, selected)
         entries = self.fetch_selected(layer, plan.rows, selected, count_hits=True)
         outliers = self.live_outliers(layer, plan.outliers, plan.outlier_lo, plan.outlier_hi)
         return self.attend_selected(q, layer, outliers, plan.rows, entries, plan.window_indptr,
@@ -209,13 +224,17 @@ class SparseDecoder:
     def select(self, scores: torch.Tensor, chunk_slots: torch.Tensor, budgets: torch.Tensor,
                top_k: int) -> torch.Tensor:
         """scores [R, Hkv, N] (-1 where not selectable) -> the chunk slots [R, Hkv, max_entries] each KV
-        head attends (its budget's best; -1 padded)."""
-        r, h = scores.shape[:2]
-        top = scores.topk(top_k, dim=-1).indices  # [R, H, k]
-        selected = chunk_slots.long().gather(1, top.view(r, -1)).view(r, h, -1)
-        in_budget = torch.arange(top_k, device=scores.device) < budgets[:, None, None]
-        selected = torch.where(in_budget, selected, -1)
-        return torch.nn.functional.pad(selected, (0, self.max_entries - top_k), value=-1)
+        head attends (best first; -1 padded). budgets [R]: a fixed budget's count, or the adaptive
+        budget's cap (shadowkv_top_p, floor shadowkv_min_budget_chunks); top_k >= every budget."""
+        return select_chunks(scores, chunk_slots, budgets, top_k, self.max_entries, self.cfg.top_p_or_none,
+                             self.cfg.min_budget_chunks)
+
+    def _count_budgets(self, layer: int, rows: torch.Tensor, selected: torch.Tensor) -> None:
+        """Add this step's chunk count of every KV head to its row's histogram (on the device)."""
+        counts = (selected >= 0).sum(-1)  # [R, H]
+        _, layers, width = self.budget_hist.shape
+        cells = (rows.long()[:, None] * layers + layer) * width + counts  # scatter_add_: no host sync
+        self.budget_hist.view(-1).scatter_add_(0, cells.flatten(), torch.ones_like(cells.flatten()))
 
     def fetch_selected(self, layer: int, rows: torch.Tensor, selected: torch.Tensor,
                        count_hits: bool = False) -> torch.Tensor:
@@ -269,6 +288,19 @@ class SparseDecoder:
             jobs.record_stream(self.copy_stream)
             rows.record_stream(self.copy_stream)
         rebuild_fn(pool.a_rows[layer], pool.basis[layer], self.rotary.cos_cache, self.rotary.sin_cache,
-                   pool.chunk_pos, pool.chunk_basis, jobs, self.scratch_k[layer], rows, pool.chunk_size)
+                   pool.chunk_pos, pool.chunk_basis, jobs, self.scratch_k[layer], rows, pool.chunk_size,
+                   pool.basis_rank[layer])
         if self.copy_stream is not None:
             torch.cuda.current_stream(pool.device).wait_stream(self.copy_stream)
+
+
+def budget_summary(hist: torch.Tensor, cap: int) -> dict:
+    """hist [layers, cap + 1]: KV-head steps that selected k chunks -> mean and p99 per layer."""
+    steps = hist.sum(1)
+    k = torch.arange(hist.shape[1], dtype=torch.float64)
+    mean = (hist.double() * k).sum(1) / steps.clamp(min=1)
+    cdf = hist.cumsum(1).double() / steps.clamp(min=1)[:, None]
+    p99 = (cdf < 0.99).sum(1).clamp(max=cap)
+    return {"mean_chunks_per_layer": [round(x, 2) for x in mean.tolist()], "p99_chunks_per_layer": p99.tolist(),
+            "mean_chunks": float((hist.double() * k).sum() / steps.sum().clamp(min=1)), "max_chunks": cap,
+            "head_steps": int(steps.sum())}

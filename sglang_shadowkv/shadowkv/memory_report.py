@@ -23,6 +23,8 @@ def request_report(store: ShadowKVPool, decoder: SparseDecoder, layout: Compress
         "compressed_tokens": layout.num_chunks * store.chunk_size,
         "segments": len(layout.segments),
         "ranks": list(layout.segments[0].ranks),  # per layer, of its first segment
+        "segment_ranks": [list(seg.ranks) for seg in layout.segments],
+        "budget": decoder.budget_stats(row),  # chunks selected per KV head and step, per layer
         "outliers_per_head": layout.num_outliers,
         "dense_kv_bytes": dense,
         **sizes,
