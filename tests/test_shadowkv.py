@@ -198,7 +198,7 @@ def test_compressed_decode_follows_full_attention(shadow_engine, engine):
         assert len(budget["mean_chunks_per_layer"]) == 30 and steps in (len(got["output_ids"]) - 1, len(got["output_ids"]))
         assert all(0 < m <= p99 <= budget["max_chunks"]
                    for m, p99 in zip(budget["mean_chunks_per_layer"], budget["p99_chunks_per_layer"]))
-        assert len(set(budget["p99_chunks_per_layer"])) > 1
+        assert len(set(budget["mean_chunks_per_layer"])) > 1  # adaptive: layers take different counts
         assert want["meta_info"]["shadowkv"] == {"compressed_tokens": 0}
         agree += sum(a == b for a, b in zip(got["output_ids"], want["output_ids"]))
         total += len(want["output_ids"])
@@ -328,8 +328,9 @@ def test_requests_arriving_together_compress_a_shared_document_once(shadow_engin
     after = counters(shadow_engine)
     assert after["compressions"] - before["compressions"] == 1
     assert after["compressed_prefix_hits"] - before["compressed_prefix_hits"] == 3
-    assert after["prefill_tokens"] - before["prefill_tokens"] < 1200 + 4 * 20
-    assert all(o["meta_info"]["cached_tokens"] == 1200 for o in outs[1:])
+    compressed_end = (1200 + len(questions[0]) - 64) // 8 * 8  # the first request's compressed chunks
+    assert all(o["meta_info"]["cached_tokens"] == compressed_end for o in outs[1:])
+    assert after["prefill_tokens"] - before["prefill_tokens"] < 1200 + 4 * 100
     assert_pool_clean(shadow_engine)
     assert_shadow_pools_clean(shadow_engine)
 

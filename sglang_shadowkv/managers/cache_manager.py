@@ -94,8 +94,13 @@ class CacheManager:
 
     def cache_prompt(self, req: Req) -> None:
         """The completed prompt's whole pages (dense or compressed) go to the radix cache now; the
-        request holds them there through a lock, like a matched prefix."""
+        request holds them there through a lock, like a matched prefix. With a compressed prefix,
+        the pages up to its last compressed chunk."""
         whole = len(req.input_ids) // self.page_size
+        if req.shadow is not None and req.shadow.layout is not None:
+            # up to its last compressed chunk: the dense tail stays the request's, to be compressed
+            # with what it generates when that grows long (ShadowKVManager._compress_tail)
+            whole = min(whole, req.shadow.layout.compressed_end // self.page_size)
         if whole <= req.num_borrowed:
             return
         tokens = req.input_ids[:whole * self.page_size]
