@@ -27,4 +27,12 @@ def engine_overrides(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k.startswith(TUNABLE_PREFIXES) and v is not None}
 
 
-__all__ = ["add_engine_flags", "engine_overrides"]
+def engine_kwargs(args: argparse.Namespace, max_total_tokens: int, max_running_requests: int = 2) -> dict:
+    """Engine keyword arguments the accuracy benchmarks share: the model, dtype and attention
+    backend from the flags, a pool of max_total_tokens, 2048-token prefill chunks."""
+    return dict(model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
+                attention_backend=args.attention_backend, max_running_requests=max_running_requests,
+                max_total_tokens=max_total_tokens, chunked_prefill_size=2048)
+
+
+__all__ = ["add_engine_flags", "engine_kwargs", "engine_overrides"]

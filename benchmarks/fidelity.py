@@ -30,7 +30,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.corpus import document  # noqa: E402
-from benchmarks.engine_flags import add_engine_flags, engine_overrides  # noqa: E402
+from benchmarks.engine_flags import add_engine_flags, engine_kwargs, engine_overrides  # noqa: E402
 from sglang_shadowkv import Engine  # noqa: E402
 from sglang_shadowkv.sampling_params import SamplingParams  # noqa: E402
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig  # noqa: E402
@@ -79,9 +79,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/fidelity.json")
     args = ap.parse_args()
     overrides = engine_overrides(args)
-    common = dict(model_path=args.model_path, tokenizer_path=args.tokenizer_path, chunked_prefill_size=2048,
-                  max_running_requests=4, max_total_tokens=16384, attention_backend=args.attention_backend,
-                  dtype=args.dtype)
+    common = engine_kwargs(args, 16384, max_running_requests=4)
     full = Engine(attention="full", **common)
     shadow = Engine(attention="shadowkv", shadowkv_max_requests=2, **common, **overrides)
     cfg = shadow.scheduler.runner.shadow_cfg

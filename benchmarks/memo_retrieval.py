@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.engine_flags import add_engine_flags, engine_overrides  # noqa: E402
+from benchmarks.engine_flags import add_engine_flags, engine_kwargs, engine_overrides  # noqa: E402
 from benchmarks.haystack import INTRO, WORDS, Needle, chat_turn, haystack, make_needle  # noqa: E402
 from sglang_shadowkv import Engine  # noqa: E402
 
@@ -70,9 +70,7 @@ def main() -> None:
     if args.facts > len(WORDS):
         ap.error(f"--facts must be at most {len(WORDS)} (distinct words)")
     overrides = engine_overrides(args)
-    common = dict(model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
-                  attention_backend=args.attention_backend, max_running_requests=2,
-                  max_total_tokens=4 * args.memo_tokens, chunked_prefill_size=2048)
+    common = engine_kwargs(args, 4 * args.memo_tokens)
     results, info = {}, None
     for method in ("full", "shadowkv"):
         engine = Engine(attention=method, **common, **(overrides if method == "shadowkv" else {}))

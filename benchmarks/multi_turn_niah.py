@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.engine_flags import add_engine_flags, engine_overrides  # noqa: E402
+from benchmarks.engine_flags import add_engine_flags, engine_kwargs, engine_overrides  # noqa: E402
 from benchmarks.haystack import INTRO, WORDS, chat_turn, haystack, make_needle  # noqa: E402
 from sglang_shadowkv import Engine  # noqa: E402
 
@@ -99,9 +99,7 @@ def main() -> None:
     if args.turns > len(WORDS):
         ap.error(f"--turns must be at most {len(WORDS)} (distinct needle words)")
     overrides = engine_overrides(args)
-    common = dict(model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
-                  attention_backend=args.attention_backend, max_running_requests=2,
-                  max_total_tokens=4 * args.doc_tokens, chunked_prefill_size=2048, **overrides)
+    common = {**engine_kwargs(args, 4 * args.doc_tokens), **overrides}
     rows, info, chats = [], None, None
     with tqdm(total=len(args.methods) * args.chats, desc="chats") as progress:
         for method in args.methods:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.engine_flags import add_engine_flags, engine_overrides  # noqa: E402
+from benchmarks.engine_flags import add_engine_flags, engine_kwargs, engine_overrides  # noqa: E402
 from benchmarks.haystack import FORMS, grid_needles, niah_prompt  # noqa: E402
 from sglang_shadowkv import Engine  # noqa: E402
 from sglang_shadowkv.server_args import ATTENTION_MODES  # noqa: E402
@@ -111,9 +111,7 @@ def main() -> None:
     overrides = engine_overrides(args)
     # compress every prompt of the grid: the threshold sits below its shortest length
     overrides.setdefault("shadowkv_min_context", min(args.lengths) // 2)
-    common = dict(model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
-                  attention_backend=args.attention_backend, max_running_requests=2,
-                  max_total_tokens=2 * max(args.lengths) + 1024, chunked_prefill_size=2048, **overrides)
+    common = {**engine_kwargs(args, 2 * max(args.lengths) + 1024), **overrides}
     probe = Engine(attention="full", **common)  # tokenizer and chat template for the prompts
     cases = build_prompts(probe, args)
     info = probe.get_server_info()

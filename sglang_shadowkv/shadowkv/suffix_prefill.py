@@ -23,6 +23,7 @@ The scratch ends holding the last tile's selection: the request's decode starts 
 
 from __future__ import annotations
 
+import itertools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,9 +84,10 @@ class SuffixPrefill:
         """reqs and where each one's queries start among the step's rows (q_starts[i])."""
         dev, ints = self.decoder.pool.device, dict(dtype=torch.int32)
         n_q = [r.seq_len - r.start for r in reqs]
-        spans = [(r.table_row, a, b) for r in reqs for a, b in [*r.layout.dense_spans, (r.layout.compressed_end, r.seq_len)]]
-        n_dense = [sum(b - a for a, b in [*r.layout.dense_spans, (r.layout.compressed_end, r.seq_len)]) for r in reqs]
-        offsets = [0, *torch.tensor(n_q).cumsum(0).tolist()]
+        dense = [[*r.layout.dense_spans, (r.layout.compressed_end, r.seq_len)] for r in reqs]
+        spans = [(r.table_row, a, b) for r, req_spans in zip(reqs, dense) for a, b in req_spans]
+        dense_indptr = [0, *itertools.accumulate(sum(b - a for a, b in req_spans) for req_spans in dense)]
+        offsets = [0, *itertools.accumulate(n_q)]
         q_rows = torch.cat([torch.arange(s, s + n) for s, n in zip(q_starts, n_q)])
         rounds = []
         sparse = [i for i, r in enumerate(reqs) if not r.exact]
@@ -98,7 +100,7 @@ class SuffixPrefill:
             if r.exact:
                 rounds.append(self._round(reqs, [i], [offsets[i]], [n_q[i]], n_q[i], True))
         return SuffixPlan(to_device(q_rows, dev), to_device(torch.tensor(offsets, **ints), dev),
-                          to_device(torch.tensor([0, *torch.tensor(n_dense).cumsum(0).tolist()], **ints), dev),
+                          to_device(torch.tensor(dense_indptr, **ints), dev),
                           table.span_slots(*map(list, zip(*spans))), rounds)
 
     def _round(self, reqs: list[SuffixRequest], members: list[int], firsts: list[int], counts: list[int],
