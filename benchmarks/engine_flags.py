@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 
 from sglang_shadowkv.server_args import ServerArgs
 
@@ -35,4 +37,15 @@ def engine_kwargs(args: argparse.Namespace, max_total_tokens: int, max_running_r
                 max_total_tokens=max_total_tokens, chunked_prefill_size=2048)
 
 
-__all__ = ["add_engine_flags", "engine_kwargs", "engine_overrides"]
+def save_result(path: str, info: dict, overrides: dict, **fields) -> dict:
+    """Write an accuracy result as JSON under its provenance (model, device, dtype, the flags set,
+    the ShadowKV config the engine ran: from its get_server_info()); returns it."""
+    result = {"model": info["model_path"], "device": info["device"], "dtype": info["dtype"],
+              "engine_overrides": overrides, "shadowkv_config": info["shadowkv"]["config"], **fields}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+__all__ = ["add_engine_flags", "engine_kwargs", "engine_overrides", "save_result"]

@@ -17,14 +17,13 @@ Writes JSON (answers of both methods, how many are right, how many agree); print
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.engine_flags import add_engine_flags, engine_kwargs, engine_overrides  # noqa: E402
+from benchmarks.engine_flags import add_engine_flags, engine_kwargs, engine_overrides, save_result  # noqa: E402
 from benchmarks.haystack import INTRO, WORDS, Needle, chat_turn, haystack, make_needle  # noqa: E402
 from sglang_shadowkv import Engine  # noqa: E402
 
@@ -81,12 +80,7 @@ def main() -> None:
         finally:
             engine.shutdown()
     summary = compare(results["full"], results["shadowkv"], needles)
-    result = {"model": info["model_path"], "device": info["device"], "dtype": info["dtype"],
-              "prompt_tokens": len(prompts[0]), "engine_overrides": overrides,
-              "shadowkv_config": info["shadowkv"]["config"], **summary}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    result = save_result(args.out, info, overrides, prompt_tokens=len(prompts[0]), **summary)
     print(f"{'code':>6} {'full':>24} {'shadowkv':>24}")
     for r in summary["rows"]:
         print(f"{r['value']:>6} {r['full'][:22]!r:>24} {r['shadowkv'][:22]!r:>24}")

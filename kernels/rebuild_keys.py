@@ -33,10 +33,8 @@ def rebuild_keys_reference(a_rows, basis, cos, sin, chunk_pos, chunk_basis, jobs
     if basis_rank is not None:  # columns past the segment's rank are not read
         rank = basis_rank[chunk_basis[slots].long()].long()
         a = a * (torch.arange(a.shape[2], device=a.device) < rank[:, None])[:, None, :]
-    bases = basis[chunk_basis[slots].long()].float()  # [J, R, Hkv*D]
-    cols = h_idx[:, None] * d + torch.arange(d, device=slots.device)
-    b_head = torch.gather(bases, 2, cols[:, None, :].expand(-1, bases.shape[1], -1))  # [J, R, D]
-    k = torch.bmm(a, b_head)  # [J, c, D] pre-RoPE
+    per_head = basis.unflatten(2, (-1, d)).transpose(1, 2)  # [bases, Hkv, R, D]: each job reads its head's
+    k = torch.bmm(a, per_head[chunk_basis[slots].long(), h_idx].float())  # [J, c, D] pre-RoPE
     pos = chunk_pos[slots].long()[:, None] + torch.arange(chunk_size, device=slots.device)
     k = rotate_reference(k.reshape(-1, 1, d), cos, sin, pos.flatten()).view_as(k)
     scratch_k[scratch_rows[b_idx].long(), h_idx, e_idx] = k.to(scratch_k.dtype)

@@ -22,28 +22,40 @@ def sparse_decode_attention_reference(q, out_k, out_v, outlier_slots, scratch_k,
                                       scratch_rows, entries, k_pool, v_pool, window_indptr,
                                       window_indices, sm_scale, lse=None):
     """q [B, Hq, D] -> [B, Hq, D]; float32 softmax over the gathered keys of each KV head;
-    lse [B, Hq] float32, if given, receives each query head's log-sum-exp."""
+    lse [B, Hq] float32, if given, receives each query head's log-sum-exp.
+
+    The keys of every (request, KV head) are gathered into one padded tensor with a mask
+    (missing outliers, entries and window positions masked out), so a step is a few batched
+    operations: this is also ShadowKV's decode attention on a CPU."""
     b_, hq, d = q.shape
     hkv = k_pool.shape[1]
-    group = hq // hkv
-    out = torch.empty_like(q)
-    ptr = window_indptr.tolist()
-    for b in range(b_):
-        window = window_indices[ptr[b]:ptr[b + 1]].long()
-        row = int(scratch_rows[b])
-        for h in range(hkv):
-            o_ids = outlier_slots[b, h][outlier_slots[b, h] >= 0].long()
-            e_ids = entries[b, h][entries[b, h] >= 0].long()
-            k = torch.cat([out_k[o_ids].reshape(-1, d), scratch_k[row, h, e_ids].reshape(-1, d),
-                           k_pool[window, h]]).float()
-            v = torch.cat([out_v[o_ids].reshape(-1, d), scratch_v[row, h, e_ids].reshape(-1, d),
-                           v_pool[window, h]]).float()
-            heads = slice(h * group, (h + 1) * group)
-            scores = q[b, heads].float() @ k.T * sm_scale
-            out[b, heads] = (scores.softmax(-1) @ v).to(q.dtype) if k.shape[0] else 0
-            if lse is not None:
-                lse[b, heads] = scores.logsumexp(-1) if k.shape[0] else float("-inf")
-    return out
+    rows = scratch_rows.long()[:, None, None]
+    heads = torch.arange(hkv, device=q.device)[None, :, None]
+    o_ok, e_ok = outlier_slots >= 0, entries >= 0
+    o_ids, e_ids = outlier_slots.clamp(min=0).long(), entries.clamp(min=0).long()
+    lens = window_indptr[1:] - window_indptr[:-1]
+    width = int(lens.max()) if b_ > 0 else 0
+    w_pos = torch.arange(width, device=q.device)
+    w_ok = w_pos[None, :] < lens[:, None]  # [B, W]
+    w_ids = window_indices[(window_indptr[:-1, None] + w_pos).clamp(max=max(window_indices.numel() - 1, 0))
+                           * w_ok].long() if width else torch.zeros(b_, 0, dtype=torch.long, device=q.device)
+
+    def keys(blocks, pool, scratch):  # [B, Hkv, L, D]: outliers, selected chunks, window
+        return torch.cat([blocks[o_ids].flatten(2, 3), scratch[rows, heads, e_ids].flatten(2, 3),
+                          pool[w_ids].transpose(1, 2)], dim=2).float()
+
+    c = out_k.shape[1]
+    valid = torch.cat([o_ok.repeat_interleave(c, dim=2), e_ok.repeat_interleave(c, dim=2),
+                       w_ok[:, None, :].expand(-1, hkv, -1)], dim=2)  # [B, Hkv, L]
+    qh = q.float().view(b_, hkv, hq // hkv, d)
+    scores = (qh @ keys(out_k, k_pool, scratch_k).transpose(2, 3) * sm_scale).masked_fill(~valid[:, :, None], float("-inf"))
+    total = scores.logsumexp(-1)  # [B, Hkv, G]; -inf where nothing is attended
+    probs = torch.exp(scores - total.nan_to_num(neginf=0.0)[..., None])
+    values = keys(out_v, v_pool, scratch_v).masked_fill(~valid[..., None], 0.0)  # masked: may be garbage
+    out = (probs @ values).view(b_, hq, d)
+    if lse is not None:
+        lse.copy_(total.view(b_, hq))
+    return out.to(q.dtype)
 
 
 @triton.jit

@@ -43,6 +43,7 @@ class ServerArgs:
     startup_timeout: float = 600.0  # seconds the server waits for the model to load
     show_progress: bool = False  # progress bar over a generate() call
     enable_metrics: bool = False  # server: Prometheus metrics at GET /metrics
+    constrained_json_any_whitespace: bool = False  # JSON grammars: any whitespace (SGLang's) or compact
     # ShadowKV (used with attention="shadowkv"); meanings in shadowkv/config.py
     shadowkv_rank: int | None = _SKV.rank
     shadowkv_rank_energy: float = _SKV.rank_energy
@@ -136,6 +137,9 @@ class ServerArgs:
             "log_level": "debug, info, warning or error",
             "enable_metrics": "serve Prometheus metrics at GET /metrics (SGLang's names: request "
                               "latencies, token counts, queue, pool usage; ShadowKV's compressed state)",
+            "constrained_json_any_whitespace": "json_schema / response_format: allow any whitespace between "
+                                               "JSON tokens (SGLang's default); by default JSON is compact (', ' and "
+                                               "': ' separators), so a model cannot spend max_tokens on whitespace",
             "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
             "chunked_prefill_size": "most prompt tokens prefilled in one step",
             "disable_cuda_graph": "GPU: run decode steps eagerly (by default they replay CUDA graphs "

@@ -51,6 +51,16 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def server():
+    """The embedded model behind HTTP at default flags (CPU-sized pools), shared by the server and
+    SGLang-compatibility tests: each checks what it changed, never absolute counters."""
+    from benchmarks.live_server import servers
+
+    with servers([]) as (url,):
+        yield url
+
+
+@pytest.fixture(scope="session")
 def small_server():
     """The embedded model behind HTTP with metrics on and a 64-token context (room for the chat
     template), so that any request the server accepts ends within seconds (fuzzing, metrics)."""

@@ -115,3 +115,22 @@ def test_failed_compilation_and_abort_leave_nothing_behind(engine):
         hold.set()
         backend.compile = compile_grammar
     assert_pool_clean(engine)
+
+
+def test_json_is_compact_by_default(engine):
+    """A JSON schema compiles to compact JSON unless any whitespace is asked for: a model that
+    loops on whitespace cannot leave its object unclosed at max_tokens."""
+    from sglang_shadowkv.constrained import GrammarSpec, create_grammar_backend
+
+    sched = engine.scheduler
+    newline = engine.tokenizer.encode("\n")
+    assert len(newline) == 1
+    spec = GrammarSpec("json_schema", json.dumps(PERSON))
+    accepts = {}
+    for any_whitespace in (False, True):
+        backend = create_grammar_backend(engine.tokenizer, sched.vocab_size, sorted(sched.eos_ids), any_whitespace)
+        matcher = backend.matcher(backend.compile(spec))
+        assert matcher.accept(engine.tokenizer.encode("{")[0])
+        accepts[any_whitespace] = matcher.accept(newline[0])
+    assert accepts == {False: False, True: True}
+    assert sched.grammars.backend.json_any_whitespace is False

@@ -46,3 +46,36 @@ def test_hf_folder_logits_match_transformers(kind, tmp_path):
 def test_unknown_path_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="model_path"):
         load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def test_gguf_conversion_is_cached_and_loads_the_same_model(tmp_path, monkeypatch):
+    """The first load of a GGUF file converts it and caches the result; a later load reads the
+    cache: the same config, the same weights bit for bit, a tokenizer that encodes and applies the
+    chat template the same. A changed file gets a new entry; SGLANG_SHADOWKV_CACHE=off caches nothing."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    from sglang_shadowkv.models import gguf_cache
+    from sglang_shadowkv.models.loader import _read_gguf, embedded_model_path
+
+    gguf = Path(tmp_path / "model.gguf")
+    shutil.copy(embedded_model_path(), gguf)
+    monkeypatch.setenv("SGLANG_SHADOWKV_CACHE", str(tmp_path / "cache"))
+    assert gguf_cache.load(gguf) is None
+    config, weights, tokenizer = _read_gguf(gguf)  # converted, then stored
+    cached = gguf_cache.load(gguf)
+    assert cached is not None and cached[0] == config
+    assert cached[1].keys() == weights.keys() and all(torch.equal(cached[1][k], w) for k, w in weights.items())
+    text = "Hello <|im_start|>world\n  tabs\tand ünïcode 1234 <|endoftext|>"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    for tok in (tokenizer, cached[2]):
+        assert tok.eos_token_id == tokenizer.eos_token_id and len(tok) == len(tokenizer)
+    assert cached[2].encode(text) == tokenizer.encode(text)
+    assert (cached[2].apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    entry = gguf_cache.entry_dir(gguf)
+    os.utime(gguf, ns=(0, 0))
+    assert gguf_cache.entry_dir(gguf) != entry and gguf_cache.load(gguf) is None
+    monkeypatch.setenv("SGLANG_SHADOWKV_CACHE", "off")
+    assert gguf_cache.entry_dir(gguf) is None and gguf_cache.load(gguf) is None

@@ -5,15 +5,9 @@ import asyncio
 
 import httpx
 import pytest
-from benchmarks.live_server import assert_no_pages_held, generate, servers, sse_payloads
+from benchmarks.live_server import assert_no_pages_held, generate, sse_payloads
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def server():
-    with servers([]) as (url,):
-        yield url
 
 
 def test_generate_matches_the_offline_engine(server, engine):

@@ -12,7 +12,7 @@ import re
 import httpx
 import jsonschema
 import pytest
-from benchmarks.live_server import assert_no_pages_held, generate, servers, sse_payloads
+from benchmarks.live_server import assert_no_pages_held, generate, sse_payloads
 
 from sglang_shadowkv.entrypoints.request_fields import (CHAT_FIELDS, COMPLETION_FIELDS, GENERATE_FIELDS,
                                                         IGNORE, USE, Refused)
@@ -20,12 +20,6 @@ from sglang_shadowkv.entrypoints.request_fields import (CHAT_FIELDS, COMPLETION_
 AGE = {"type": "object", "required": ["age"], "additionalProperties": False,
        "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 99}}}
 SGLANG = pathlib.Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
-
-
-@pytest.fixture(scope="module")
-def server():
-    with servers([]) as (url,):
-        yield url
 
 
 def stats(url) -> dict:

@@ -131,6 +131,10 @@ def test_sparse_decode_attention(group, chunk_size, head_dim):
     scratch_k, scratch_v = (torch.randn(4, hkv, entries, chunk_size, head_dim, generator=gen) for _ in range(2))
     ent = torch.stack([torch.randperm(entries, generator=gen) for _ in range(batch * hkv)]).view(batch, hkv, entries)
     ent[1, :, 6:] = -1  # request 1 selected fewer chunks than the budget
+    for h in range(hkv):  # the entries it does not hold were never written: garbage, never read
+        unheld = torch.ones(entries, dtype=torch.bool)
+        unheld[ent[1, h, :6]] = False
+        scratch_k[0, h, unheld] = scratch_v[0, h, unheld] = float("nan")
     k_pool, v_pool = (torch.randn(pool_slots, hkv, head_dim, generator=gen) for _ in range(2))
     lens = [3, 70, 0]  # dense windows, one longer than a block, one empty
     window = torch.randperm(pool_slots, generator=gen)[:sum(lens)].int()
@@ -151,7 +155,7 @@ def test_sparse_attention_of_nothing_is_zero_with_minus_infinite_lse():
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 32, generator=gen)
     blocks = torch.randn(3, 8, 32, generator=gen)
-    scratch = torch.randn(2, 2, 4, 8, 32, generator=gen)
+    scratch = torch.full((2, 2, 4, 8, 32), float("nan"))  # never written
     pool = torch.randn(10, 2, 32, generator=gen)
     none = torch.full((2, 2, 4), -1, dtype=torch.int32)
     args = [t.to(DEVICE) for t in (q, blocks, blocks, none[:, :, :2], scratch, scratch, torch.tensor([0, 1]).int(),

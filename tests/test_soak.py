@@ -9,9 +9,9 @@ NOTHING = {"pages": 0, "segments": 0, "host_slots": 0, "chunk_refs": 0, "scratch
 
 def test_short_soak_serves_the_mix_and_leaks_nothing():
     # seed 2: the first client's first request is a question on the document, so it is compressed
-    args = parse_args(["--minutes", "0.5", "--attention", "shadowkv", "--clients", "3", "--documents", "1",
+    args = parse_args(["--minutes", "0.35", "--attention", "shadowkv", "--clients", "3", "--documents", "1",
                        "--doc-tokens", "640", "--shadowkv-min-context", "512", "--sample-s", "5",
-                       "--checkpoint-s", "15", "--seed", "2"])
+                       "--checkpoint-s", "10", "--seed", "2"])
     run = run_soak("shadowkv", args, progress=lambda line: None)
     assert run["http_5xx"] == 0 and run["unexpected"] == {}, run["outcomes"]
     assert run["leaks"] == NOTHING and run["healthy_after"]

@@ -11,9 +11,10 @@ def check_grammar(spec: GrammarSpec) -> None:
     XGrammarBackend.check(spec)
 
 
-def create_grammar_backend(tokenizer, vocab_size: int, stop_token_ids: list[int]):
+def create_grammar_backend(tokenizer, vocab_size: int, stop_token_ids: list[int],
+                           json_any_whitespace: bool = False):
     from .xgrammar_backend import XGrammarBackend
-    return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
+    return XGrammarBackend(tokenizer, vocab_size, stop_token_ids, json_any_whitespace)
 
 
 __all__ = ["GRAMMAR_KINDS", "GrammarSpec", "check_grammar", "create_grammar_backend"]

@@ -28,12 +28,15 @@ class XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarBackend(GrammarBackend):
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
-        """vocab_size: the model's (logits width), which may exceed the tokenizer's."""
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], json_any_whitespace: bool = False):
+        """vocab_size: the model's (logits width), which may exceed the tokenizer's.
+        json_any_whitespace False: JSON schemas compile to compact JSON (small models otherwise
+        fill their max_tokens with whitespace and leave the object unclosed)."""
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=stop_token_ids)
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.json_any_whitespace = json_any_whitespace
 
     @staticmethod
     def check(spec: GrammarSpec) -> None:
@@ -49,7 +52,7 @@ class XGrammarBackend(GrammarBackend):
         if spec.kind == "regex":
             return self.compiler.compile_regex(spec.source)
         if spec.kind == "json_schema":
-            return self.compiler.compile_json_schema(spec.source)
+            return self.compiler.compile_json_schema(spec.source, any_whitespace=self.json_any_whitespace)
         return self.compiler.compile_grammar(spec.source)
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:

@@ -1,4 +1,9 @@
-"""What every server child process (scheduler, detokenizer) does first: tie its life to the launcher.
+"""The server's child processes (scheduler, detokenizer): how they start, the endpoints joining
+them, and what each does first: tie its life to the launcher.
+
+They are started by the name of their entry point (`run_child`), so the launcher imports none of
+their modules (torch, the model code) before starting them: their imports and the model load run
+while the launcher imports its HTTP stack, instead of after it.
 
 A child that outlives its launcher holds the model and its GPU memory with nobody to stop it (the
 next server then fails with out-of-memory). Two independent ties, because either alone has a gap:
@@ -15,15 +20,31 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib
 import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 PR_SET_PDEATHSIG = 1
 WATCHDOG_PERIOD_S = 0.5
+
+
+@dataclass
+class IpcPaths:
+    """ZMQ endpoints of the three processes (ipc:// in a private temporary folder)."""
+    scheduler: str
+    detokenizer: str
+    tokenizer_manager: str
+
+
+def run_child(entry_point: str, *args) -> None:
+    """A multiprocessing target: import "package.module:function" here, in the child, and call it."""
+    module, _, function = entry_point.partition(":")
+    getattr(importlib.import_module(module), function)(*args)
 
 
 def die_with_parent() -> None:

@@ -29,16 +29,18 @@ class Detokenizer:
         return TextOut(out.rid, text, out.new_ids, out.finished, out.meta, out.error, logprobs)
 
 
-def run_detokenizer_process(tokenizer, from_scheduler: str, to_tokenizer_manager: str, status_pipe) -> None:
-    """status_pipe: told once the sockets are up, so the launcher serves only when every process is."""
+def run_detokenizer_process(tokenizer_pipe, from_scheduler: str, to_tokenizer_manager: str, status_pipe) -> None:
+    """Started together with the scheduler (its imports overlap the model load); tokenizer_pipe
+    then brings the scheduler's tokenizer. status_pipe: told once the sockets are up and the
+    tokenizer is here, so the launcher serves only when every process is."""
     die_with_parent()
     context = zmq.Context()
     recv = context.socket(zmq.PULL)
     recv.bind(from_scheduler)
     send = context.socket(zmq.PUSH)
     send.connect(to_tokenizer_manager)
+    detokenizer = Detokenizer(tokenizer_pipe.recv())
     status_pipe.send({})
-    detokenizer = Detokenizer(tokenizer)
     while True:
         batch: list[TokenOut] = recv.recv_pyobj()
         send.send_pyobj([detokenizer.handle(out) for out in batch])

@@ -106,7 +106,7 @@ class Scheduler:
         self.overlap = not args.disable_overlap_schedule
         self.pending: LaunchedStep | None = None
         self.grammars = GrammarManager(lambda: create_grammar_backend(
-            self.tokenizer, self.vocab_size, sorted(self.eos_ids)))
+            self.tokenizer, self.vocab_size, sorted(self.eos_ids), args.constrained_json_any_whitespace))
         if self.runner.device.type == "cuda" and not args.skip_server_warmup:
             self.warm_up()
 

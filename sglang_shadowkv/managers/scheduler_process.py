@@ -12,13 +12,12 @@ crashes, the reason, so the launcher can name it when it takes the server down.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import zmq
 
 from sglang_shadowkv.server_args import ServerArgs
 
-from .child_process import die_with_parent
+from .child_process import IpcPaths, die_with_parent
 from .detokenizer import meta_info
 from .io_struct import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
 from .request import Req
@@ -26,14 +25,6 @@ from .scheduler import Scheduler
 from .step_profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class IpcPaths:
-    """ZMQ endpoints of the three processes (ipc:// in a private temporary folder)."""
-    scheduler: str
-    detokenizer: str
-    tokenizer_manager: str
 
 
 def run_scheduler_process(args: ServerArgs, paths: IpcPaths, status_pipe) -> None:

@@ -41,7 +41,7 @@ def shadowkv_report(runner: ModelRunner, ids: list[int], configs: list[ShadowKVC
     """Per configuration: the chosen ranks, GPU bytes, and per layer the selection report of the
     prompt's last num_queries queries (each attending as a decode query would) and the decoder's
     output error for the last one."""
-    pool, table, model, mc = runner.pool, runner.req_to_token, runner.model, runner.config
+    pool, table, model = runner.pool, runner.req_to_token, runner.model
     dense_backend = getattr(runner.backend, "dense", runner.backend)  # ShadowKV wraps a dense one
     row = table.alloc()
     pages = pool.alloc(-(-len(ids) // pool.page_size))

@@ -65,14 +65,17 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # weights come from the checkpoint: no random init (nn.Embedding's normal_ on the meta device
+        # imports torch._dynamo, 2-3 s of every start)
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.context_length,
-                                      cfg.rope_scaling)
+        # the rotary tables are no parameters: the loader builds them on the model's device
+        # (computed on the meta device, where the model is made, they would cost seconds)
+        self.rotary: RotaryEmbedding | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend,

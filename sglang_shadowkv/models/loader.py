@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+from . import gguf_cache
+from sglang_shadowkv.layers.rotary import RotaryEmbedding
+
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
@@ -102,8 +105,8 @@ def _build(config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device)
                 params[name].data = tensor.to(device=device, dtype=dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = type(model.rotary)(config.head_dim, config.rope_theta, config.context_length,
-                                      config.rope_scaling).to(device)
+    model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length,
+                                   config.rope_scaling).to(device)
     return model.eval()
 
 
@@ -115,8 +118,7 @@ def _random_preset(model_path: str, dtype, device, context_length, tokenizer_pat
     from transformers import AutoTokenizer
 
     if tokenizer_path is None:
-        gguf = Path(embedded_model_path())
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = _read_gguf(Path(embedded_model_path()))[2]
     else:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     config = ModelConfig(architecture="llama", vocab_size=len(tokenizer), name=name,
@@ -142,6 +144,16 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0)
 
 # ---- GGUF -----------------------------------------------------------------------------------------
 def _read_gguf(path: Path):
+    """Converted once, then read from the conversion cache (models/gguf_cache.py)."""
+    cached = gguf_cache.load(path)
+    if cached is not None:
+        return cached
+    config, weights, tokenizer = _convert_gguf(path)
+    gguf_cache.store(path, config, weights, tokenizer)
+    return config, weights, tokenizer
+
+
+def _convert_gguf(path: Path):
     import gguf
     from transformers import AutoTokenizer
 

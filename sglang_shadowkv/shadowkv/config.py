@@ -12,8 +12,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import torch
-
 PAPER_RANK, PAPER_KEY_DIMS = 160, 1024  # the paper's rank for an 8B model's 8 x 128 key dims
 DEFAULT_RANK_ENERGY = 0.999
 DEFAULT_TOP_P = 0.98
@@ -21,8 +19,9 @@ DEFAULT_MAX_BUDGET = 256
 LOWRANK_METHODS = ("auto", "eigh", "subspace", "svd")
 # None: the model dtype; int8: a scale per chunk and KV head. "auto" is resolved by the model runner:
 # int8 on a GPU (half the host memory and PCIe bytes of the values, half the landmarks' GPU bytes;
-# greedy agreement equal to bf16's in benchmarks/results/fidelity_*int8*), the model dtype on a CPU
-STORAGE_DTYPES = {"auto": None, "model": None, "int8": torch.int8}
+# greedy agreement equal to bf16's in benchmarks/results/fidelity_*int8*), the model dtype on a CPU.
+# Names of torch dtypes, not dtypes: the server's HTTP process reads this file without torch.
+STORAGE_DTYPES = {"auto": None, "model": None, "int8": "int8"}
 
 
 @dataclass(frozen=True)
@@ -84,14 +83,14 @@ class ShadowKVConfig:
         return cls(**{name: getattr(args, "shadowkv_" + name) for name in cls.__dataclass_fields__})
 
     @property
-    def host_value_torch_dtype(self) -> torch.dtype | None:
-        """dtype of the host value pool (None: the model's)."""
-        return STORAGE_DTYPES[self.value_dtype]
+    def host_value_torch_dtype(self):
+        """torch dtype of the host value pool (None: the model's)."""
+        return _torch_dtype(STORAGE_DTYPES[self.value_dtype])
 
     @property
-    def landmark_torch_dtype(self) -> torch.dtype | None:
-        """dtype of the landmark pool (None: the model's)."""
-        return STORAGE_DTYPES[self.landmark_dtype]
+    def landmark_torch_dtype(self):
+        """torch dtype of the landmark pool (None: the model's)."""
+        return _torch_dtype(STORAGE_DTYPES[self.landmark_dtype])
 
     def resolve_storage(self, on_gpu: bool) -> "ShadowKVConfig":
         """'auto' storage made concrete for the device (see STORAGE_DTYPES)."""
@@ -169,3 +168,8 @@ def parse_budget(value) -> float | str:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"shadowkv_budget must be 'auto' or a fraction in (0, 1], got {value!r}") from None
+
+
+def _torch_dtype(name: str | None):
+    import torch
+    return None if name is None else getattr(torch, name)

@@ -69,8 +69,10 @@ class SparseDecoder:
         shape = (max_rows + 1, h, self.max_entries, c, d)
         gpu = dict(dtype=pool.dtype, device=pool.device)
         layers = len(pool.a_rows)
-        self.scratch_k = [torch.zeros(shape, **gpu) for _ in range(layers)]
-        self.scratch_v = [torch.zeros(shape, **gpu) for _ in range(layers)]
+        # uninitialized: an entry is read only once written (held), and readers mask the rest; on a
+        # CPU the pages of rows never used are then never touched (a server's default scratch is GBs)
+        self.scratch_k = [torch.empty(shape, **gpu) for _ in range(layers)]
+        self.scratch_v = [torch.empty(shape, **gpu) for _ in range(layers)]
         self.held = [torch.full(shape[:3], -1, dtype=torch.int64, device=pool.device) for _ in range(layers)]
         self.hits = torch.zeros(max_rows + 1, 2, dtype=torch.int64, device=pool.device)  # hits, lookups
         # per scratch row and layer, how many KV-head steps selected k chunks (column k)

@@ -191,8 +191,11 @@ class SuffixPrefill:
         ov, _ = gather(outliers, lambda i: pool.outlier_v[layer][i])
         sk, s_valid = gather(entries, lambda i: decoder.scratch_k[layer][long_rows, heads, i])
         sv, _ = gather(entries, lambda i: decoder.scratch_v[layer][long_rows, heads, i])
-        keys, values = torch.cat([ok, sk], 2), torch.cat([ov, sv], 2)
-        invalid = ~torch.cat([o_valid, s_valid], 2)[:, :, None, :]
+        valid = torch.cat([o_valid, s_valid], 2)
+        # entries never written hold whatever the scratch's memory held (it is allocated uninitialized):
+        # zero their values, so that a zero probability times them stays zero
+        keys, values = torch.cat([ok, sk], 2), torch.cat([ov, sv], 2).masked_fill(~valid[..., None], 0.0)
+        invalid = ~valid[:, :, None, :]
         q = qt.float().view(r, t, h, g, d).permute(0, 2, 1, 3, 4).reshape(r, h, t * g, d)  # [R, Hkv, t * G, D]
         out, lse = torch.empty_like(q), q.new_empty(r, h, t * g)
         block = max(g, WORK_BYTES // (4 * r * h * keys.shape[2]) // g * g)
