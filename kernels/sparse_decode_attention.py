@@ -38,7 +38,7 @@ def sparse_decode_attention_reference(q, out_k, out_v, outlier_slots, scratch_k,
     w_pos = torch.arange(width, device=q.device)
     w_ok = w_pos[None, :] < lens[:, None]  # [B, W]
     w_ids = window_indices[(window_indptr[:-1, None] + w_pos).clamp(max=max(window_indices.numel() - 1, 0))
-                           * w_ok].long() if width else torch.zeros(b_, 0, dtype=torch.long, device=q.device)
+                           * w_ok].long()  # [B, W]; masked positions read a valid slot
 
     def keys(blocks, pool, scratch):  # [B, Hkv, L, D]: outliers, selected chunks, window
         return torch.cat([blocks[o_ids].flatten(2, 3), scratch[rows, heads, e_ids].flatten(2, 3),

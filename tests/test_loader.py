@@ -72,10 +72,12 @@ def test_gguf_conversion_is_cached_and_loads_the_same_model(tmp_path, monkeypatc
     for tok in (tokenizer, cached[2]):
         assert tok.eos_token_id == tokenizer.eos_token_id and len(tok) == len(tokenizer)
     assert cached[2].encode(text) == tokenizer.encode(text)
+    assert gguf_cache.load_tokenizer(gguf).encode(text) == tokenizer.encode(text)  # without the weights
     assert (cached[2].apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             == tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
     entry = gguf_cache.entry_dir(gguf)
     os.utime(gguf, ns=(0, 0))
     assert gguf_cache.entry_dir(gguf) != entry and gguf_cache.load(gguf) is None
+    assert gguf_cache.load_tokenizer(gguf) is None
     monkeypatch.setenv("SGLANG_SHADOWKV_CACHE", "off")
     assert gguf_cache.entry_dir(gguf) is None and gguf_cache.load(gguf) is None

@@ -11,8 +11,7 @@ def check_grammar(spec: GrammarSpec) -> None:
     XGrammarBackend.check(spec)
 
 
-def create_grammar_backend(tokenizer, vocab_size: int, stop_token_ids: list[int],
-                           json_any_whitespace: bool = False):
+def create_grammar_backend(tokenizer, vocab_size: int, stop_token_ids: list[int], json_any_whitespace: bool):
     from .xgrammar_backend import XGrammarBackend
     return XGrammarBackend(tokenizer, vocab_size, stop_token_ids, json_any_whitespace)
 

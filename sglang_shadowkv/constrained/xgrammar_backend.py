@@ -28,7 +28,7 @@ class XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarBackend(GrammarBackend):
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], json_any_whitespace: bool = False):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], json_any_whitespace: bool):
         """vocab_size: the model's (logits width), which may exceed the tokenizer's.
         json_any_whitespace False: JSON schemas compile to compact JSON (small models otherwise
         fill their max_tokens with whitespace and leave the object unclosed)."""

@@ -52,16 +52,30 @@ def entry_dir(gguf_path: Path) -> Path | None:
     return root / "gguf" / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
+def _cached_entry(gguf_path: Path) -> Path | None:
+    entry = entry_dir(gguf_path)
+    return entry if entry is not None and (entry / "model_config.json").exists() else None
+
+
 def load(gguf_path: Path):
     """(config, weights, tokenizer) from the cache, or None when this file is not cached."""
-    entry = entry_dir(gguf_path)
-    if entry is None or not (entry / "model_config.json").exists():
+    entry = _cached_entry(gguf_path)
+    if entry is None:
         return None
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
     config = ModelConfig(**json.loads((entry / "model_config.json").read_text()))
-    return config, load_file(str(entry / "model.safetensors")), AutoTokenizer.from_pretrained(str(entry))
+    return config, load_file(str(entry / "model.safetensors")), load_tokenizer(gguf_path)
+
+
+def load_tokenizer(gguf_path: Path):
+    """The cached tokenizer alone (the random-weight presets use it), or None when not cached."""
+    entry = _cached_entry(gguf_path)
+    if entry is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(entry))
 
 
 def store(gguf_path: Path, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer) -> None:
@@ -88,4 +102,4 @@ def store(gguf_path: Path, config: ModelConfig, weights: dict[str, torch.Tensor]
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["cache_root", "load", "store"]
+__all__ = ["cache_root", "entry_dir", "load", "load_tokenizer", "store"]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from . import gguf_cache
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
 
+from . import gguf_cache
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
@@ -118,7 +118,8 @@ def _random_preset(model_path: str, dtype, device, context_length, tokenizer_pat
     from transformers import AutoTokenizer
 
     if tokenizer_path is None:
-        tokenizer = _read_gguf(Path(embedded_model_path()))[2]
+        gguf = Path(embedded_model_path())
+        tokenizer = gguf_cache.load_tokenizer(gguf) or _read_gguf(gguf)[2]
     else:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     config = ModelConfig(architecture="llama", vocab_size=len(tokenizer), name=name,
