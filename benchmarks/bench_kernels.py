@@ -26,12 +26,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.gather_values import gather_values
-from kernels.ragged_paged_attention import ragged_paged_attention
-from kernels.rebuild_keys import rebuild_keys
+from sglang_shadowkv.kernels.gather_values import gather_values
+from sglang_shadowkv.kernels.ragged_paged_attention import ragged_paged_attention
+from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool
-from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 from sglang_shadowkv.shadowkv.compress import compress_layer, low_rank_basis
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
@@ -239,8 +239,8 @@ COMPRESSION_METHODS = {"eigh": {}, "subspace": {}, "subspace_energy": {"lowrank_
 
 def compression_parts(k: torch.Tensor, rotary: RotaryEmbedding) -> dict:
     """Milliseconds of the pieces of one layer's compression, Triton kernels beside their references."""
-    from kernels.chunk_stats import chunk_stats, chunk_stats_reference
-    from kernels.rotary import rotate, rotate_reference
+    from sglang_shadowkv.kernels.chunk_stats import chunk_stats, chunk_stats_reference
+    from sglang_shadowkv.kernels.rotary import rotate, rotate_reference
     from sglang_shadowkv.shadowkv.compress import tf32_matmuls, top_subspace
 
     pos = torch.arange(k.shape[0], device=DEV)

@@ -58,11 +58,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sglang_shadowkv.managers.model_runner import ModelRunner, StepItem  # noqa: E402
+from sglang_shadowkv.model_executor.forward_batch import StepItem
+from sglang_shadowkv.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang_shadowkv.models.loader import load_model  # noqa: E402
 from sglang_shadowkv.server_args import ServerArgs  # noqa: E402
 from sglang_shadowkv.shadowkv.compress import compress_layer  # noqa: E402
-from sglang_shadowkv.shadowkv.request_state import ShadowReqState, segment_layout  # noqa: E402
+from sglang_shadowkv.shadowkv.request_state import ShadowKVReqState, segment_layout  # noqa: E402
 
 GiB = 1 << 30
 CUDA = torch.cuda.is_available()
@@ -174,7 +175,7 @@ def full_requests(loaded, backend: str, batch: int, context: int, gen, shared: b
 
 def compressed_segment(runner: ModelRunner, loaded, span: int, keys: str, gen):
     """A segment of `span` tokens made by the real compression from synthetic keys, every layer."""
-    cfg, store, rotary, mcfg = runner.shadow_cfg, runner.shadow_pool, loaded.model.rotary, loaded.config
+    cfg, store, rotary, mcfg = runner.shadowkv_config, runner.compressed_pool, loaded.model.rotary, loaded.config
     positions = torch.arange(span, device=DEV)
     seg = store.alloc_segment(0, span, cfg.num_outliers(span // cfg.chunk_size))
     for layer in range(mcfg.num_layers):
@@ -194,7 +195,7 @@ def shadowkv_requests(loaded, backend: str, batch: int, context: int, keys: str,
                                      shadowkv_host_tokens=(1 if shared else batch) * context,
                                      shadowkv_min_context=1024, shadowkv_value_dtype=storage,
                                      shadowkv_landmark_dtype=storage), loaded)
-    cfg = runner.shadow_cfg
+    cfg = runner.shadowkv_config
     fill_normal(runner.pool.k_buffers + runner.pool.v_buffers, gen)
     span = cfg.compressed_len(context, runner.pool.page_size)
     seg = compressed_segment(runner, loaded, span, keys, gen) if shared else None
@@ -203,9 +204,9 @@ def shadowkv_requests(loaded, backend: str, batch: int, context: int, keys: str,
         own = seg or compressed_segment(runner, loaded, span, keys, gen)
         row = runner.req_to_token.alloc()
         give_pages(runner, row, span, context - span)
-        state = ShadowReqState(runner.decoder.alloc_row(), layout=segment_layout(own, cfg.chunk_size))
+        state = ShadowKVReqState(runner.decoder.alloc_row(), layout=segment_layout(own, cfg.chunk_size))
         items.append(StepItem(row, [0], context - 1, state))
-    runner.shadow_pool.wait_host_writes()
+    runner.compressed_pool.wait_host_writes()
     sync()
     return runner, items
 
@@ -303,7 +304,7 @@ def breakdown(runner: ModelRunner, items: list[StepItem], steps: int = 3) -> dic
            "top_other_kernels_ms_per_layer": {k: v / 1e3 / layers for k, v in sorted(other.items(), key=lambda kv: -kv[1])[:15]}}
     if "chunk_fetches" in rate:
         cfg = runner.config
-        gathered = rate["chunk_fetches"] * runner.shadow_cfg.chunk_size * cfg.head_dim * runner.shadow_pool.host_elt
+        gathered = rate["chunk_fetches"] * runner.shadowkv_config.chunk_size * cfg.head_dim * runner.compressed_pool.host_elt
         out.update(chunk_cache_hit_rate=rate["chunk_cache_hit_rate"], gathered_bytes=gathered,
                    gather_GBps=gathered / gather_us / 1e3 if gather_us else None)  # no kernel on a CPU
     return out
@@ -461,7 +462,7 @@ def measure_shadowkv(args, context: int, workload: str, ratio: float, storage: s
         print(f"shadowkv[{variant}] {context} b{batch}: {rate['tok_per_s']:.1f} tok/s ({rate['mode']}), "
               f"hit {rate['eager']['chunk_cache_hit_rate']:.2f}", flush=True)
     bd = breakdown(runner, items)
-    scfg, pool, elem = runner.shadow_cfg, runner.shadow_pool, 2 if CUDA else 4
+    scfg, pool, elem = runner.shadowkv_config, runner.compressed_pool, 2 if CUDA else 4
     # what the defaults chose on this workload: ranks per layer, chunks per KV head and step
     bd["ranks"] = next(iter(pool.live.values())).ranks
     bd["budget"] = runner.decoder.budget_stats()

@@ -19,7 +19,8 @@ import torch
 
 from sglang_shadowkv import Engine
 from sglang_shadowkv.layers.attention import create_attention_backend
-from sglang_shadowkv.managers.model_runner import ModelRunner, StepItem
+from sglang_shadowkv.model_executor.forward_batch import StepItem
+from sglang_shadowkv.model_executor.model_runner import ModelRunner
 from sglang_shadowkv.server_args import ServerArgs
 
 BACKENDS = ["torch", "triton", "flashinfer"]

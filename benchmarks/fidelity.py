@@ -82,7 +82,7 @@ def main() -> None:
     common = engine_kwargs(args, 16384, max_running_requests=4)
     full = Engine(attention="full", **common)
     shadow = Engine(attention="shadowkv", shadowkv_max_requests=2, **common, **overrides)
-    cfg = shadow.scheduler.runner.shadow_cfg
+    cfg = shadow.scheduler.runner.shadowkv_config
     sampling = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
     rows = []
     for seed in tqdm(range(args.num_prompts), desc="prompts"):

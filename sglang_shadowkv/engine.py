@@ -25,15 +25,14 @@ import torch
 
 from tqdm import tqdm
 
-from sglang_shadowkv.managers.detokenizer import output_dict
+from sglang_shadowkv.managers.request_output import output_dict
 from sglang_shadowkv.managers.io_struct import GenerateReq
-from sglang_shadowkv.managers.logprobs import LogprobOptions
+from sglang_shadowkv.scheduler.logprobs import LogprobOptions
 from sglang_shadowkv.managers.parallel_sampling import expand_parallel
-from sglang_shadowkv.managers.scheduler import Scheduler
-from sglang_shadowkv.managers.shadowkv_probe import shadowkv_report
+from sglang_shadowkv.scheduler.scheduler import Scheduler
+from sglang_shadowkv.diagnostics.selection_probe import shadowkv_report
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
-from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +123,8 @@ class Engine:
                     bar.update(1)
         while scheduler.pending is not None and not scheduler.running:
             scheduler.step()  # the step launched before the last stop was seen: its tokens are dropped
+        if not scheduler.has_work:
+            scheduler.run_when_idle()
         bar.close()
         return reqs
 
@@ -170,12 +171,9 @@ class Engine:
         ids = batch[0]
         with self._lock:
             runner = self.scheduler.runner
-            base = ShadowKVConfig.from_server_args(self.server_args)
-            configs = [dataclasses.replace(base, **fields).resolve_storage(runner.device.type == "cuda")
+            configs = [dataclasses.replace(self.server_args.shadowkv, **fields).resolve_storage(runner.device.type == "cuda")
                        for fields in settings or [{}]]
-            pages = -(-len(ids) // runner.pool.page_size)
-            if runner.pool.num_free < pages:  # cached prefixes make room
-                self.scheduler.tree.evict(pages - runner.pool.num_free)
+            self.scheduler.cache.make_room(-(-len(ids) // runner.pool.page_size))  # cached prefixes make room
             return shadowkv_report(runner, ids, configs, num_queries)
 
     def shutdown(self) -> None:

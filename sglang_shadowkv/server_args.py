@@ -1,7 +1,9 @@
 """Engine and server configuration: one dataclass, validated, with SGLang's flag names.
 
-`Engine(**kwargs)` and `launch_server --flags` both build a ServerArgs, so a setting has one name
-and one check wherever it is given.
+`Engine(**kwargs)` and `launch_server --flags` both build a ServerArgs, so a setting has one name,
+one default, one help text and one check wherever it is given. ShadowKV's settings are one
+`ShadowKVConfig` (shadowkv/config.py, where their defaults and help live), given flat as
+`shadowkv_<name>` keywords and `--shadowkv-<name>` flags and built once here.
 """
 
 from __future__ import annotations
@@ -13,62 +15,72 @@ from dataclasses import dataclass
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 
 ATTENTION_MODES = ("full", "shadowkv", "streamingllm", "snapkv")
-_SKV = ShadowKVConfig()  # the ShadowKV defaults live in one place
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SHADOWKV_PREFIX = "shadowkv_"
 
 
-@dataclass
+def _field(default, help_text: str = ""):
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclass(init=False)
 class ServerArgs:
-    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
-    tokenizer_path: str | None = None
-    served_model_name: str | None = None  # the model name of the OpenAI API; None: from model_path
-    attention: str = "full"  # "full" (dense KV), "shadowkv", or a baseline: "streamingllm", "snapkv"
-    attention_backend: str | None = None  # torch | triton | flashinfer; None: best for the device
-    device: str | None = None  # None: cuda if available, else cpu
-    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    context_length: int | None = None  # None: the model's own
-    page_size: int = 8
-    max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
-    mem_fraction_static: float = 0.85  # GPU: share of free memory after weights for the KV pool
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 2048  # most prompt tokens one step prefills
-    disable_cuda_graph: bool = False  # GPU: run decode steps eagerly instead of replaying CUDA graphs
-    cuda_graph_max_bs: int | None = None  # largest decode batch captured as a graph (None: max_running_requests)
-    disable_overlap_schedule: bool = False  # wait for each step's tokens before scheduling the next
-    skip_server_warmup: bool = False  # GPU: serve without first running one request of each kind
-    random_seed: int = 0
-    host: str = "127.0.0.1"
-    port: int = 30000
-    log_level: str = "warning"
-    startup_timeout: float = 600.0  # seconds the server waits for the model to load
-    show_progress: bool = False  # progress bar over a generate() call
-    enable_metrics: bool = False  # server: Prometheus metrics at GET /metrics
-    constrained_json_any_whitespace: bool = False  # JSON grammars: any whitespace (SGLang's) or compact
-    # ShadowKV (used with attention="shadowkv"); meanings in shadowkv/config.py
-    shadowkv_rank: int | None = _SKV.rank
-    shadowkv_rank_energy: float = _SKV.rank_energy
-    shadowkv_chunk_size: int = _SKV.chunk_size
-    shadowkv_outliers: int = _SKV.outliers
-    shadowkv_budget: str | float = _SKV.budget
-    shadowkv_min_budget_chunks: int = _SKV.min_budget_chunks
-    shadowkv_local_window: int = _SKV.local_window
-    shadowkv_min_context: int = _SKV.min_context
-    shadowkv_lowrank_method: str = _SKV.lowrank_method
-    shadowkv_value_dtype: str = _SKV.value_dtype
-    shadowkv_landmark_dtype: str = _SKV.landmark_dtype
-    shadowkv_host_tokens: int | None = _SKV.host_tokens
-    shadowkv_max_requests: int = _SKV.max_requests
-    shadowkv_sparse_prefill_max: int = _SKV.sparse_prefill_max
-    shadowkv_host_mem_fraction: float = 0.5  # GPU: share of the machine's available memory for host values
-    shadowkv_rank_cap: int | None = _SKV.rank_cap
-    shadowkv_top_p: float = _SKV.top_p
-    shadowkv_max_budget: int = _SKV.max_budget
+    model_path: str | None = _field(None, "HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    tokenizer_path: str | None = _field(None, "tokenizer folder (default: the model's)")
+    served_model_name: str | None = _field(None, "model name of the OpenAI API (default: the model file or folder name)")
+    attention: str = _field("full", "full: dense KV cache; shadowkv: dense while the GPU holds it, compressed "
+                            "(ShadowKV) when it does not; streamingllm, snapkv: KV-eviction baselines (accuracy "
+                            "comparisons, torch backend)")
+    attention_backend: str | None = _field(None, "torch (reference), triton, flashinfer (default: best available)")
+    device: str | None = _field(None, "cuda or cpu (default: cuda if available)")
+    dtype: str = _field("auto", "auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 or float16")
+    context_length: int | None = _field(None, "most tokens per request (default: the model's)")
+    page_size: int = _field(8, "tokens per KV page")
+    max_total_tokens: int | None = _field(None, "KV pool size in tokens (default: from --mem-fraction-static)")
+    mem_fraction_static: float = _field(0.85, "GPU: share of the free memory after the weights for the KV pools")
+    max_running_requests: int = _field(64, "requests running at once; the rest wait")
+    chunked_prefill_size: int = _field(2048, "most prompt tokens prefilled in one step")
+    disable_cuda_graph: bool = _field(False, "GPU: run decode steps eagerly (by default they replay CUDA graphs "
+                                      "captured at startup per batch size)")
+    cuda_graph_max_bs: int | None = _field(None, "largest decode batch captured as a CUDA graph; larger ones run "
+                                           "eagerly (default: --max-running-requests)")
+    disable_overlap_schedule: bool = _field(False, "prepare each step only after the previous step's tokens are back "
+                                            "(by default the CPU schedules step N+1 while the GPU runs step N)")
+    skip_server_warmup: bool = _field(False, "GPU: start serving without the warmup requests that compile every "
+                                      "kernel first (otherwise the first user request pays for the compilation)")
+    check_integrity: bool = _field(False, "whenever the scheduler goes idle, check that every KV page, compressed "
+                                   "slot and request row is free or owned exactly once (debugging; on in tests)")
+    random_seed: int = _field(0, "seed of the sampling of requests without their own seed")
+    host: str = _field("127.0.0.1", "address the HTTP server listens on")
+    port: int = _field(30000, "port the HTTP server listens on")
+    log_level: str = _field("warning", "debug, info, warning or error")
+    startup_timeout: float = _field(600.0, "seconds to wait for the model to load before giving up")
+    show_progress: bool = _field(False, "a progress bar over an Engine.generate() call")
+    enable_metrics: bool = _field(False, "serve Prometheus metrics at GET /metrics (SGLang's names: request "
+                                  "latencies, token counts, queue, pool usage; ShadowKV's compressed state)")
+    constrained_json_any_whitespace: bool = _field(
+        False, "json_schema / response_format: allow any whitespace between JSON tokens (SGLang's default); by "
+               "default JSON is compact (', ' and ': ' separators), so a model cannot spend max_tokens on whitespace")
     # KV-eviction baselines (attention="streamingllm" or "snapkv"); see layers/attention/eviction_backend.py
-    eviction_budget: int = 1024  # KV tokens kept per KV head
-    streamingllm_sinks: int = 4  # first tokens StreamingLLM always keeps
-    snapkv_window: int = 32  # prompt's last tokens whose queries choose what SnapKV keeps
+    eviction_budget: int = _field(1024, "streamingllm/snapkv: KV tokens kept per KV head")
+    streamingllm_sinks: int = _field(4, "streamingllm: first tokens always kept (attention sinks)")
+    snapkv_window: int = _field(32, "snapkv: the prompt's last tokens whose attention picks what is kept")
+    # ShadowKV (attention="shadowkv"): given as shadowkv_<name> keywords / --shadowkv-<name> flags
+    shadowkv: ShadowKVConfig = dataclasses.field(default_factory=ShadowKVConfig)
 
-    def __post_init__(self) -> None:
+    def __init__(self, **kwargs) -> None:
+        """Keyword arguments are the fields; ShadowKV's may also come flat, as shadowkv_<name>
+        (Engine keywords and flags name them so). Unknown names raise TypeError naming them."""
+        flat = {k.removeprefix(SHADOWKV_PREFIX): kwargs.pop(k) for k in list(kwargs) if k.startswith(SHADOWKV_PREFIX)}
+        fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+        unknown = sorted(set(kwargs) - set(fields)) + sorted(
+            SHADOWKV_PREFIX + k for k in set(flat) - set(ShadowKVConfig.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(self.flat_names())}")
+        for name, f in fields.items():
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            setattr(self, name, kwargs.get(name, default))
+        self.shadowkv = dataclasses.replace(self.shadowkv, **flat)
         self.validate()
 
     def validate(self) -> None:
@@ -89,108 +101,54 @@ class ServerArgs:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _positive(self, "page_size", "max_running_requests", "chunked_prefill_size")
-        if self.cuda_graph_max_bs is not None:
-            _positive(self, "cuda_graph_max_bs")
-        if self.context_length is not None:
-            _positive(self, "context_length")
-        if self.max_total_tokens is not None:
-            _positive(self, "max_total_tokens")
+        for name in ("cuda_graph_max_bs", "context_length", "max_total_tokens"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        if not 0.0 < self.shadowkv_host_mem_fraction < 1.0:
-            raise ValueError(f"shadowkv_host_mem_fraction must be in (0, 1), got {self.shadowkv_host_mem_fraction}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"log_level must be debug, info, warning, error or critical, got {self.log_level!r}")
         if not self.startup_timeout > 0:
             raise ValueError(f"startup_timeout must be positive, got {self.startup_timeout}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        cfg = ShadowKVConfig.from_server_args(self)
-        if self.page_size % cfg.chunk_size and cfg.chunk_size % self.page_size:
-            raise ValueError(f"shadowkv_chunk_size ({cfg.chunk_size}) and page_size ({self.page_size}) "
-                             "must divide one another")
+        chunk = self.shadowkv.chunk_size
+        if self.page_size % chunk and chunk % self.page_size:
+            raise ValueError(f"shadowkv_chunk_size ({chunk}) and page_size ({self.page_size}) must divide one another")
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every setting by its keyword name (ShadowKV's flat, as shadowkv_<name>)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shadowkv"}
+        out.update({SHADOWKV_PREFIX + k: v for k, v in dataclasses.asdict(self.shadowkv).items()})
+        return out
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "ServerArgs":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
         return cls(**kwargs)
 
     @staticmethod
+    def flat_names() -> list[str]:
+        return ([f.name for f in dataclasses.fields(ServerArgs) if f.name != "shadowkv"]
+                + [SHADOWKV_PREFIX + f.name for f in dataclasses.fields(ShadowKVConfig)])
+
+    @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """One --flag per field, named like SGLang's (model_path -> --model-path)."""
-        helps = {
-            "model_path": "HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)",
-            "attention": "full: dense KV cache; shadowkv: compressed long-context KV cache; "
-                         "streamingllm, snapkv: KV-eviction baselines (accuracy comparisons, torch backend)",
-            "eviction_budget": "streamingllm/snapkv: KV tokens kept per KV head",
-            "streamingllm_sinks": "streamingllm: first tokens always kept (attention sinks)",
-            "snapkv_window": "snapkv: the prompt's last tokens whose attention picks what is kept",
-            "attention_backend": "torch (reference), triton, flashinfer (default: best available)",
-            "startup_timeout": "seconds to wait for the model to load before giving up",
-            "served_model_name": "model name of the OpenAI API (default: the model file or folder name)",
-            "log_level": "debug, info, warning or error",
-            "enable_metrics": "serve Prometheus metrics at GET /metrics (SGLang's names: request "
-                              "latencies, token counts, queue, pool usage; ShadowKV's compressed state)",
-            "constrained_json_any_whitespace": "json_schema / response_format: allow any whitespace between "
-                                               "JSON tokens (SGLang's default); by default JSON is compact (', ' and "
-                                               "': ' separators), so a model cannot spend max_tokens on whitespace",
-            "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
-            "chunked_prefill_size": "most prompt tokens prefilled in one step",
-            "disable_cuda_graph": "GPU: run decode steps eagerly (by default they replay CUDA graphs "
-                                  "captured at startup per batch size)",
-            "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph; larger ones run eagerly "
-                                 "(default: --max-running-requests)",
-            "disable_overlap_schedule": "prepare each step only after the previous step's tokens are "
-                                        "back (by default the CPU schedules step N+1 while the GPU runs step N)",
-            "skip_server_warmup": "GPU: start serving without the warmup requests that compile every kernel "
-                                  "first (otherwise the first user request pays for Triton/FlashInfer compilation)",
-            "shadowkv_rank": "fixed low-rank key dims for every layer (default: chosen per layer by "
-                             "--shadowkv-rank-energy)",
-            "shadowkv_rank_energy": "per layer, the least rank keeping this share of the keys' singular-value "
-                                    "energy (capped by --shadowkv-rank-cap)",
-            "shadowkv_chunk_size": "tokens per chunk: one landmark, one unit of selection",
-            "shadowkv_outliers": "chunks per KV head kept dense on the GPU",
-            "shadowkv_budget": "chunks selected per step: auto (per step, layer and KV head, the fewest "
-                               "chunks holding --shadowkv-top-p of the score mass) or a fixed fraction of the context",
-            "shadowkv_min_budget_chunks": "floor of the selection budget in chunks",
-            "shadowkv_local_window": "most recent prompt tokens kept dense",
-            "shadowkv_min_context": "prompts shorter than this stay dense",
-            "shadowkv_lowrank_method": "auto (eigh up to 256 key dims, else subspace), eigh or subspace "
-                                       "(top eigenvectors of the Gram matrix) or svd (the paper's)",
-            "shadowkv_value_dtype": "host values: auto (int8 on a GPU, the model dtype on a CPU), model, or int8 (a scale per chunk and KV "
-                                    "head: half the host memory and PCIe traffic)",
-            "shadowkv_landmark_dtype": "landmarks: auto (int8 on a GPU, the model dtype on a CPU), model, or int8 (a scale per chunk and KV "
-                                       "head: half their GPU memory and the bytes scoring reads)",
-            "shadowkv_host_tokens": "capacity of the compressed pools (host values) in tokens",
-            "shadowkv_max_requests": "requests decoding from compressed state at once",
-            "shadowkv_host_mem_fraction": "with shadowkv_host_tokens unset on a GPU: the share of the machine's "
-                                          "available memory page-locked for compressed values",
-            "shadowkv_sparse_prefill_max": "a prompt suffix over a cached compressed document up to this many "
-                                           "tokens attends the chunks it selects (per 64 queries); a longer "
-                                           "one attends every chunk, streamed; 0: always every chunk",
-            "shadowkv_rank_cap": "most low-rank dims per layer, also the low-rank pool's width (default: "
-                                 "160, scaled up with key dims past 1024)",
-            "shadowkv_top_p": "budget auto: score mass the selected chunks must hold",
-            "shadowkv_max_budget": "budget auto: most chunks selected per KV head and step",
-        }
-        for f in dataclasses.fields(ServerArgs):
-            flag = "--" + f.name.replace("_", "-")
+        """One --flag per setting, named like SGLang's (model_path -> --model-path), ShadowKV's as
+        --shadowkv-<name>; defaults and help from the fields."""
+        settings = [(f.name, f) for f in dataclasses.fields(ServerArgs) if f.name != "shadowkv"]
+        settings += [(SHADOWKV_PREFIX + f.name, f) for f in dataclasses.fields(ShadowKVConfig)]
+        for name, f in settings:
+            flag = "--" + name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
             if f.type == "bool":
-                parser.add_argument(flag, action="store_true", help=helps.get(f.name))
+                parser.add_argument(flag, action="store_true", help=help_text)
                 continue
-            kind = {"int": int, "float": float}.get(f.type.split(" ")[0], str)
-            parser.add_argument(flag, type=kind, default=f.default,
-                                help=f"{helps.get(f.name, '')} (default: %(default)s)".strip())
+            kind = str if "str" in f.type else {"int": int, "float": float}.get(f.type.split(" ")[0], str)
+            parser.add_argument(flag, type=kind, default=f.default, help=f"{help_text} (default: %(default)s)".strip())
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
-        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+        return cls(**{name: getattr(ns, name) for name in cls.flat_names()})
 
 
 def _positive(args: ServerArgs, *names: str) -> None:

@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_pool_clean
 from test_shadowkv import SHADOW_ENGINE, assert_shadow_pools_clean, long_prompt
 
-from sglang_shadowkv.managers.cuda_graph import graph_batch_sizes
+from sglang_shadowkv.model_executor.cuda_graph_runner import graph_batch_sizes
 from sglang_shadowkv.sampling_params import SamplingParams
 
 SHORT = ["The capital of France is", "Once upon a time, in a small village by the sea,",

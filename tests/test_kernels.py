@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+from sglang_shadowkv.kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the same tests run on the lent GPU
 

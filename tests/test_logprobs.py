@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import assert_pool_clean
-from sglang_shadowkv.managers.detokenizer import output_dict
-from sglang_shadowkv.managers.logprobs import LogprobOptions
-from sglang_shadowkv.managers.model_runner import ModelRunner
-from sglang_shadowkv.managers.scheduler import Scheduler
+from sglang_shadowkv.managers.request_output import output_dict
+from sglang_shadowkv.scheduler.logprobs import LogprobOptions
+from sglang_shadowkv.model_executor.model_runner import ModelRunner
+from sglang_shadowkv.scheduler.scheduler import Scheduler
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 

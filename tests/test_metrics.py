@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_shadowkv import Engine
 from sglang_shadowkv.entrypoints.http_server import build_app
-from sglang_shadowkv.managers.metrics import ServerMetrics
+from sglang_shadowkv.diagnostics.metrics import ServerMetrics
 from sglang_shadowkv.managers.tokenizer_manager import ModelInfo, TokenizerManager
 from sglang_shadowkv.server_args import ServerArgs
 

@@ -140,7 +140,7 @@ def test_lru_evicts_oldest_first():
 def make_mixed(num_pages=40, num_chunks=40):
     import torch
 
-    from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+    from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 
     pool = PagedKVPool(num_pages, PAGE, 1, 1, 2, dtype=torch.float32, device="cpu")
     store = ShadowKVPool(num_chunks, 16, 1, PAGE, 1, 1, 2, 2, torch.float32, "cpu")
@@ -159,7 +159,7 @@ def test_every_page_and_chunk_is_owned_once(operations, compress_choices):
     matches split compressed nodes; evictions release segments. Every dense page is in the tree,
     a running request or free; every live segment's refs are exactly the references the tree and
     the running requests hold, and a segment with none is freed."""
-    from sglang_shadowkv.mem_cache.shadow_pool import ChunkRef
+    from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef
 
     pool, store, tree, release = make_mixed()
     running = []

@@ -64,7 +64,7 @@ def test_energy_rule_picks_the_true_rank():
 
 
 def test_segment_slot_runs_cover_its_chunks():
-    from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+    from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 
     pool = ShadowKVPool(12, 3, 2, 4, 1, 2, 8, 4, torch.float32, "cpu")
     first = pool.alloc_segment(0, 16, 1)
@@ -83,7 +83,7 @@ def test_segment_slot_runs_cover_its_chunks():
 
 
 def test_int8_values_and_landmarks_round_trip_within_half_a_step():
-    from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+    from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 
     def pool(value_dtype, landmark_dtype):
         return ShadowKVPool(12, 3, 2, 4, 1, 2, 8, 4, torch.float32, "cpu", value_dtype=value_dtype,
@@ -160,12 +160,12 @@ def assert_shadow_pools_clean(eng) -> None:
     """With nothing running, every live segment is referenced by the radix tree alone (its refs
     are the tree's chunk entries), every chunk slot is free or in a live segment, and a flush
     frees them all."""
-    from sglang_shadowkv.mem_cache.shadow_pool import ChunkRef
+    from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef
 
     sched = eng.scheduler
-    store = sched.runner.shadow_pool
+    store = sched.runner.compressed_pool
     tree_refs: dict[int, int] = {}
-    for entry in sched.tree.entries():
+    for entry in sched.cache.tree.entries():
         if isinstance(entry, ChunkRef):
             tree_refs[id(entry.segment)] = tree_refs.get(id(entry.segment), 0) + 1
     assert {id(seg): seg.refs for seg in store.live.values()} == tree_refs
@@ -247,7 +247,7 @@ def test_abort_frees_the_segment(shadow_engine):
     sched = shadow_engine.scheduler
     req = sched.add_request("to-abort", long_prompt(shadow_engine.tokenizer, 800, 9),
                             SamplingParams.from_dict({"max_new_tokens": 50}))
-    while not (req.shadow is not None and req.shadow.layout is not None):
+    while not (req.shadowkv is not None and req.shadowkv.layout is not None):
         sched.step()
     sched.step()
     stats = shadow_engine.get_server_info()["shadowkv"]
@@ -358,8 +358,8 @@ def test_a_long_dense_tail_becomes_a_second_segment(shadow_engine):
 
 def suffix_scheduler(shadow_engine, **overrides):
     """A scheduler on the shadow engine's model with other ShadowKV settings."""
-    from sglang_shadowkv.managers.model_runner import ModelRunner
-    from sglang_shadowkv.managers.scheduler import Scheduler
+    from sglang_shadowkv.model_executor.model_runner import ModelRunner
+    from sglang_shadowkv.scheduler.scheduler import Scheduler
     from sglang_shadowkv.server_args import ServerArgs
 
     args = ServerArgs(**{**SHADOW_ENGINE, **overrides})
@@ -380,7 +380,7 @@ def greedy_answers(sched, doc: list[int], questions: list[list[int]], new_tokens
     answers = []
     for i, q in enumerate(questions):
         req = run(f"q{i}", doc + q)
-        assert req.cached_tokens >= len(doc) - 8 and req.shadow.layout is not None
+        assert req.cached_tokens >= len(doc) - 8 and req.shadowkv.layout is not None
         answers.append(req.output_ids)
     return answers
 
@@ -409,7 +409,7 @@ def test_sparse_suffix_prefill_agrees_with_exact_attention_over_the_prefix(shado
 def test_suffixes_prefilled_together_answer_as_one_at_a_time(shadow_engine):
     """A step that prefills several suffixes over the same compressed document (one tile, three
     tiles, and an exact one that asks for prompt logprobs) gives each the tokens it gets alone."""
-    from sglang_shadowkv.managers.logprobs import LogprobOptions
+    from sglang_shadowkv.scheduler.logprobs import LogprobOptions
     from sglang_shadowkv.sampling_params import SamplingParams
 
     doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 33)
@@ -424,7 +424,7 @@ def test_suffixes_prefilled_together_answer_as_one_at_a_time(shadow_engine):
     scored = sched.add_request("exact", doc + questions[0], SamplingParams(max_new_tokens=6, temperature=0),
                                LogprobOptions(start_len=len(doc)))
     sched.step()
-    assert all(r.prompt_done for r in reqs + [scored]) and scored.shadow.exact_prefill  # one step for all
+    assert all(r.prompt_done for r in reqs + [scored]) and scored.shadowkv.exact_prefill  # one step for all
     while sched.has_work:
         sched.step()
     assert [r.output_ids for r in reqs] == alone
@@ -434,11 +434,13 @@ def test_suffixes_prefilled_together_answer_as_one_at_a_time(shadow_engine):
 def test_warm_up_runs_a_compression_and_a_suffix_prefill_and_leaves_no_trace(shadow_engine):
     """The GPU server's warmup (run here on the CPU): every kind of ShadowKV step once, then the
     cache, the pools and the counters as they were."""
+    from sglang_shadowkv.scheduler.warmup import warm_up
+
     shadow_engine.flush_cache()
     sched = shadow_engine.scheduler
     before = dict(sched.stats)
     steps = sched.runner.eager_steps
-    sched.warm_up()
+    warm_up(sched)
     assert sched.runner.eager_steps > steps and dict(sched.stats) == before
     assert_pool_clean(shadow_engine)
     assert_shadow_pools_clean(shadow_engine)
@@ -454,7 +456,7 @@ def test_abort_during_a_suffix_prefill_frees_everything(shadow_engine):
     long_suffix = long_prompt(shadow_engine.tokenizer, 700, 26)  # two prefill chunks of 512
     req = sched.add_request("suffix", doc + long_suffix, SamplingParams(max_new_tokens=8))
     sched.step()
-    assert req.shadow.layout is not None and not req.prompt_done  # over the document, the suffix half done
+    assert req.shadowkv.layout is not None and not req.prompt_done  # over the document, the suffix half done
     assert sched.abort("suffix")
     assert_pool_clean(shadow_engine)
     assert_shadow_pools_clean(shadow_engine)

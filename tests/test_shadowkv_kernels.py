@@ -5,12 +5,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.chunk_stats import chunk_stats, chunk_stats_reference
-from kernels.gather_values import gather_values, gather_values_reference
-from kernels.landmark_scores import landmark_logits, landmark_logits_reference
-from kernels.rebuild_keys import rebuild_keys, rebuild_keys_reference
-from kernels.rotary import rotate, rotate_reference
-from kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
+from sglang_shadowkv.kernels.chunk_stats import chunk_stats, chunk_stats_reference
+from sglang_shadowkv.kernels.gather_values import gather_values, gather_values_reference
+from sglang_shadowkv.kernels.landmark_scores import landmark_logits, landmark_logits_reference
+from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys, rebuild_keys_reference
+from sglang_shadowkv.kernels.rotary import rotate, rotate_reference
+from sglang_shadowkv.kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
 from sglang_shadowkv.mem_cache.host_memory import PinnedHostTensor
 from sglang_shadowkv.shadowkv.chunk_cache import plan_chunk_cache

@@ -7,7 +7,7 @@ with one per prompt, as in SGLang. Every problem is a ValueError naming the fiel
 from __future__ import annotations
 
 from sglang_shadowkv.managers.io_struct import GenerateReq
-from sglang_shadowkv.managers.logprobs import LogprobOptions
+from sglang_shadowkv.scheduler.logprobs import LogprobOptions
 from sglang_shadowkv.managers.tokenizer_manager import TokenizerManager
 from sglang_shadowkv.sampling_params import SamplingParams
 

@@ -209,7 +209,7 @@ def _serve(args: ServerArgs, paths: IpcPaths, sock: socket.socket, processes: li
     processes.append(detokenizer)
     # the HTTP side's imports (torch, through the tokenizer manager and xgrammar), while the
     # children start
-    from sglang_shadowkv.managers.metrics import ServerMetrics
+    from sglang_shadowkv.diagnostics.metrics import ServerMetrics
     from sglang_shadowkv.managers.tokenizer_manager import ModelInfo, TokenizerManager
 
     from .http_server import build_app

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from sglang_shadowkv.managers.io_struct import GenerateReq
-from sglang_shadowkv.managers.logprobs import LogprobOptions
+from sglang_shadowkv.scheduler.logprobs import LogprobOptions
 from sglang_shadowkv.managers.tokenizer_manager import TokenizerManager
 from sglang_shadowkv.sampling_params import SamplingParams
 

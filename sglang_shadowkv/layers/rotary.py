@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kernels.rotary import rotate, rotate_reference
+from sglang_shadowkv.kernels.rotary import apply_rotary
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -45,5 +45,4 @@ class RotaryEmbedding(torch.nn.Module):
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rotate x [tokens, heads, head_dim] by its tokens' positions [tokens] (in float32; the
         result in out_dtype, default x's). One Triton pass on the GPU, the torch reference elsewhere."""
-        rotate_fn = rotate if x.is_cuda else rotate_reference
-        return rotate_fn(x, self.cos_cache, self.sin_cache, positions, inverse, out_dtype)
+        return apply_rotary(self, x, positions, inverse, out_dtype)

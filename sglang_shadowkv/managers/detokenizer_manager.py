@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import zmq
 
-from .child_process import die_with_parent
-from .detokenizer import decode_text
-from .io_struct import TextOut, TokenOut
-from .logprob_format import format_logprobs
+from sglang_shadowkv.managers.child_process import die_with_parent
+from sglang_shadowkv.managers.request_output import decode_text
+from sglang_shadowkv.managers.io_struct import TextOut, TokenOut
+from sglang_shadowkv.managers.request_output import format_logprobs
 
 
 class Detokenizer:

@@ -12,7 +12,7 @@ from typing import Any
 
 from sglang_shadowkv.sampling_params import SamplingParams
 
-from .logprobs import LogprobDelta, LogprobOptions
+from sglang_shadowkv.scheduler.logprobs import LogprobDelta, LogprobOptions
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .io_struct import GenerateReq
+from sglang_shadowkv.managers.io_struct import GenerateReq
 
 
 def expand_parallel(reqs: list[GenerateReq]) -> tuple[list[list[int]], list[GenerateReq]]:

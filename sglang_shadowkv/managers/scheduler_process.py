@@ -17,12 +17,12 @@ import zmq
 
 from sglang_shadowkv.server_args import ServerArgs
 
-from .child_process import IpcPaths, die_with_parent
-from .detokenizer import meta_info
-from .io_struct import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
-from .request import Req
-from .scheduler import Scheduler
-from .step_profiler import StepProfiler
+from sglang_shadowkv.managers.child_process import IpcPaths, die_with_parent
+from sglang_shadowkv.managers.request_output import meta_info
+from sglang_shadowkv.managers.io_struct import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
+from sglang_shadowkv.scheduler.request import Req
+from sglang_shadowkv.scheduler.scheduler import Scheduler
+from sglang_shadowkv.diagnostics.step_profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +66,13 @@ class SchedulerLoop:
             outs: list[TokenOut] = []
             for msg in self._receive(block=not self.scheduler.has_work):
                 outs.extend(self._handle(msg))
-            if self.scheduler.has_work:
+            stepped = self.scheduler.has_work
+            if stepped:
                 outs.extend(self._step())
             if outs:
                 self.to_detokenizer.send_pyobj(outs)
+            if stepped and not self.scheduler.has_work:
+                self.scheduler.run_when_idle()
 
     def _receive(self, block: bool) -> list:
         msgs = []

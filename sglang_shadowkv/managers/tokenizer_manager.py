@@ -20,11 +20,11 @@ import zmq.asyncio
 
 from sglang_shadowkv.sampling_params import SamplingParams
 
-from .io_struct import AbortReq, ControlOut, ControlReq, GenerateReq, TextOut
-from .logprob_format import merge_logprobs
-from .logprobs import LogprobOptions
-from .parallel_sampling import expand_parallel
-from .metrics import ServerMetrics
+from sglang_shadowkv.managers.io_struct import AbortReq, ControlOut, ControlReq, GenerateReq, TextOut
+from sglang_shadowkv.managers.request_output import merge_logprobs
+from sglang_shadowkv.scheduler.logprobs import LogprobOptions
+from sglang_shadowkv.managers.parallel_sampling import expand_parallel
+from sglang_shadowkv.diagnostics.metrics import ServerMetrics
 
 
 class ServerUnavailable(RuntimeError):

@@ -44,6 +44,10 @@ class PagedKVPool:
         k = self.k_buffers[0]
         return 2 * len(self.k_buffers) * k.shape[1] * k.shape[2] * k.element_size()
 
+    def free_ids(self) -> list[int]:
+        """The free page ids (a copy; for accounting checks)."""
+        return list(self._free)
+
     def alloc(self, n: int) -> list[int] | None:
         """n free page ids, or None (nothing taken) when fewer are free."""
         if n > len(self._free):
@@ -82,6 +86,10 @@ class ReqToTokenPool:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def free_ids(self) -> list[int]:
+        """The free rows (a copy; for accounting checks)."""
+        return list(self._free)
 
     def alloc(self) -> int | None:
         return self._free.pop() if self._free else None

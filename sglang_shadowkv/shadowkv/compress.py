@@ -10,9 +10,9 @@ from contextlib import contextmanager
 
 import torch
 
-from kernels.chunk_stats import chunk_stats, chunk_stats_reference
-from sglang_shadowkv.layers.rotary import RotaryEmbedding
-from sglang_shadowkv.mem_cache.shadow_pool import Segment, ShadowKVPool
+from sglang_shadowkv.kernels.chunk_stats import chunk_stats, chunk_stats_reference
+from sglang_shadowkv.kernels.rotary import RotaryTables, apply_rotary
+from sglang_shadowkv.mem_cache.compressed_pool import Segment, ShadowKVPool
 
 from .config import LOWRANK_METHODS, ShadowKVConfig
 
@@ -137,7 +137,7 @@ def chunk_landmarks_and_outliers(k_post: torch.Tensor, chunk_size: int, num_outl
 
 
 def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.Tensor,
-                   v: torch.Tensor, rotary: RotaryEmbedding, cfg: ShadowKVConfig) -> int:
+                   v: torch.Tensor, rotary: RotaryTables, cfg: ShadowKVConfig) -> int:
     """Compress the segment's keys/values [num_tokens, H, D] of one layer into the pool.
 
     Returns the rank used for the layer.
@@ -145,7 +145,7 @@ def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.T
     c, h, d = pool.chunk_size, pool.num_kv_heads, pool.head_dim
     n = seg.num_chunks
     positions = torch.arange(seg.start, seg.start + seg.num_tokens, device=k_post.device)
-    k_pre = rotary.apply(k_post, positions, inverse=True, out_dtype=torch.float32).reshape(seg.num_tokens, h * d)
+    k_pre = apply_rotary(rotary, k_post, positions, inverse=True, out_dtype=torch.float32).reshape(seg.num_tokens, h * d)
     basis = low_rank_basis(k_pre, pool.max_rank, cfg.energy, cfg.lowrank_method)
     rank = basis.shape[0]
     padded_basis = torch.zeros(pool.max_rank, h * d, device=basis.device)

@@ -3,7 +3,8 @@ that read the data (the keys' spectrum per layer; top-p of the landmark scores p
 the paper's fixed numbers changed a small model's answers (issue 16).
 
 Every field is set from the server flag / Engine keyword of the same name with a `shadowkv_`
-prefix; errors name that keyword.
+prefix (ServerArgs builds the one config from them); errors name that keyword. Defaults and help
+text live here only.
 """
 
 from __future__ import annotations
@@ -24,28 +25,43 @@ LOWRANK_METHODS = ("auto", "eigh", "subspace", "svd")
 STORAGE_DTYPES = {"auto": None, "model": None, "int8": "int8"}
 
 
+def _field(default, help_text: str):
+    """A setting with its flag's help text (the flag is --shadowkv-<name>, the keyword shadowkv_<name>)."""
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
 @dataclass(frozen=True)
 class ShadowKVConfig:
-    rank: int | None = None  # fixed low-rank key dims for every layer; None: per layer by rank_energy
-    rank_energy: float = DEFAULT_RANK_ENERGY  # per layer the least rank keeping this share of the keys' energy
-    chunk_size: int = 8  # tokens per chunk (one landmark, one selection unit)
-    outliers: int = 48  # chunks per KV head kept dense on the GPU (the first chunk always is one)
-    budget: float | str = "auto"  # chunks per KV head per step: "auto" (top_p), or a fixed fraction of the context
-    min_budget_chunks: int = 32  # ... but never fewer than this many
-    local_window: int = 64  # the prompt's most recent tokens stay dense (plus every generated token)
-    min_context: int = 4096  # shorter prompts stay dense: compression does not pay
-    lowrank_method: str = "auto"  # Gram matrix: full eigh or subspace iteration (auto: by size); or svd
-    value_dtype: str = "auto"  # host values: the model dtype, or int8 with a scale per chunk and KV head
-    landmark_dtype: str = "auto"  # landmarks (GPU): likewise
-    host_tokens: int | None = None  # capacity of the compressed pools in tokens; None: from the device
-    max_requests: int = 32  # requests in compressed decode at once (each holds a chunk-cache scratch)
-    # a suffix over a compressed prefix up to this many tokens selects chunks per tile of queries;
-    # a longer one attends every chunk (streamed); 0: always every chunk
-    sparse_prefill_max: int = 2048
-    # rank cap and adaptive budget: defaults chosen from measurements (README, "ShadowKV")
-    rank_cap: int | None = None  # most dims rank_energy keeps per layer (the low-rank pool's width); None: see rank_cap_for
-    top_p: float = DEFAULT_TOP_P  # budget "auto": per step, layer and KV head the fewest best chunks holding this score mass
-    max_budget: int = DEFAULT_MAX_BUDGET  # budget "auto": at most this many chunks (the fixed shape of a step)
+    rank: int | None = _field(None, "fixed low-rank key dims for every layer (default: chosen per layer by "
+                                    "--shadowkv-rank-energy)")
+    rank_energy: float = _field(DEFAULT_RANK_ENERGY, "per layer, the least rank keeping this share of the keys' "
+                                "singular-value energy (capped by --shadowkv-rank-cap)")
+    chunk_size: int = _field(8, "tokens per chunk: one landmark, one unit of selection")
+    outliers: int = _field(48, "chunks per KV head kept dense on the GPU (the first chunk always is one)")
+    budget: float | str = _field("auto", "chunks selected per step: auto (per step, layer and KV head, the fewest "
+                                 "chunks holding --shadowkv-top-p of the score mass) or a fixed fraction of the context")
+    min_budget_chunks: int = _field(32, "floor of the selection budget in chunks")
+    local_window: int = _field(64, "most recent prompt tokens kept dense")
+    min_context: int = _field(4096, "prompts shorter than this stay dense: compression does not pay")
+    lowrank_method: str = _field("auto", "auto (eigh up to 256 key dims, else subspace), eigh or subspace "
+                                 "(top eigenvectors of the Gram matrix) or svd (the paper's)")
+    value_dtype: str = _field("auto", "host values: auto (int8 on a GPU, the model dtype on a CPU), model, or int8 "
+                              "(a scale per chunk and KV head: half the host memory and PCIe traffic)")
+    landmark_dtype: str = _field("auto", "landmarks: auto (int8 on a GPU, the model dtype on a CPU), model, or int8 "
+                                 "(a scale per chunk and KV head: half their GPU memory and the bytes scoring reads)")
+    host_tokens: int | None = _field(None, "capacity of the compressed pools (host values) in tokens "
+                                     "(default: from the device and --shadowkv-host-mem-fraction)")
+    host_mem_fraction: float = _field(0.5, "with --shadowkv-host-tokens unset on a GPU: the share of the machine's "
+                                      "available memory page-locked for compressed values")
+    max_requests: int = _field(32, "requests decoding from compressed state at once (each holds a chunk-cache scratch)")
+    sparse_prefill_max: int = _field(2048, "a prompt suffix over a cached compressed document up to this many tokens "
+                                     "attends the chunks it selects (per 64 queries); a longer one attends every "
+                                     "chunk, streamed; 0: always every chunk")
+    rank_cap: int | None = _field(None, "most low-rank dims per layer, also the low-rank pool's width (default: "
+                                  "160, scaled up with key dims past 1024)")
+    top_p: float = _field(DEFAULT_TOP_P, "budget auto: score mass the selected chunks must hold")
+    max_budget: int = _field(DEFAULT_MAX_BUDGET, "budget auto: most chunks selected per KV head and step "
+                             "(the fixed shape of a step)")
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str, got) -> ValueError:
@@ -77,10 +93,8 @@ class ShadowKVConfig:
             raise bad("sparse_prefill_max", "a non-negative int", self.sparse_prefill_max)
         if self.host_tokens is not None and (not isinstance(self.host_tokens, int) or self.host_tokens < 1):
             raise bad("host_tokens", "a positive int or None", self.host_tokens)
-
-    @classmethod
-    def from_server_args(cls, args) -> "ShadowKVConfig":
-        return cls(**{name: getattr(args, "shadowkv_" + name) for name in cls.__dataclass_fields__})
+        if not isinstance(self.host_mem_fraction, (int, float)) or not 0.0 < self.host_mem_fraction < 1.0:
+            raise bad("host_mem_fraction", "in (0, 1)", self.host_mem_fraction)
 
     @property
     def host_value_torch_dtype(self):

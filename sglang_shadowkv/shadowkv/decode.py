@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from kernels import gather_values as gv
-from kernels import landmark_scores as ls
-from kernels import rebuild_keys as rk
-from kernels import sparse_decode_attention as sda
-from sglang_shadowkv.layers.rotary import RotaryEmbedding
+from sglang_shadowkv.kernels import gather_values as gv
+from sglang_shadowkv.kernels import landmark_scores as ls
+from sglang_shadowkv.kernels import rebuild_keys as rk
+from sglang_shadowkv.kernels import sparse_decode_attention as sda
+from sglang_shadowkv.kernels.rotary import RotaryTables
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
-from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 
 from .chunk_cache import plan_chunk_cache
 from .config import ShadowKVConfig
@@ -56,7 +56,7 @@ class StepPlan:
 
 
 class SparseDecoder:
-    def __init__(self, pool: ShadowKVPool, cfg: ShadowKVConfig, rotary: RotaryEmbedding,
+    def __init__(self, pool: ShadowKVPool, cfg: ShadowKVConfig, rotary: RotaryTables,
                  max_rows: int, max_chunks: int, use_triton: bool):
         self.pool, self.cfg, self.rotary = pool, cfg, rotary
         self.use_triton = use_triton
@@ -93,6 +93,10 @@ class SparseDecoder:
     @property
     def free_rows(self) -> int:
         return len(self._free_rows)
+
+    def free_row_ids(self) -> list[int]:
+        """The free scratch rows (a copy; for accounting checks)."""
+        return list(self._free_rows)
 
     def alloc_row(self) -> int | None:
         """A scratch row for a new compressed request (None when all are taken)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 
 from .decode import SparseDecoder
 from .request_state import CompressedLayout

@@ -13,7 +13,7 @@ from itertools import groupby
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from sglang_shadowkv.mem_cache.shadow_pool import ChunkRef, Segment
+from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, Segment
 
 
 @dataclass
@@ -95,7 +95,7 @@ def pad_outliers(layouts: list[CompressedLayout | None], num_kv_heads: int,
 
 
 @dataclass
-class ShadowReqState:
+class ShadowKVReqState:
     scratch_row: int  # the request's chunk-cache scratch in the SparseDecoder
     segment: Segment | None = None  # its own prompt span to compress at prefill (None: nothing)
     compress_now: bool = False  # this step completes the prompt: compress after each layer's attention

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from kernels import ragged_paged_attention as rpa
+from sglang_shadowkv.kernels import ragged_paged_attention as rpa
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
 
 from .decode import SparseDecoder

@@ -31,7 +31,7 @@ class ForwardBatch:
     extend_lens: list[int]
     seq_lens: list[int]
     pool_rows: list[int] | None = None  # each request's row of the request-to-token table
-    shadow: list | None = None  # each request's ShadowReqState (None: plain dense request)
+    shadowkv: list | None = None  # each request's ShadowKVReqState (None: plain dense request)
     prompt_lens: list | None = None  # each request's prompt length (None: not tracked)
     cached_lens: list | None = None  # each request's prompt tokens supplied by the radix cache
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.ragged_paged_attention import causal_mask, ragged_paged_attention_reference
+from sglang_shadowkv.kernels.ragged_paged_attention import causal_mask, ragged_paged_attention_reference
 
 from .base import AttentionBackend, ForwardBatch
 

@@ -17,7 +17,7 @@ import torch
 
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
 from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool
-from sglang_shadowkv.mem_cache.shadow_pool import Segment, ShadowKVPool
+from sglang_shadowkv.mem_cache.compressed_pool import Segment, ShadowKVPool
 from sglang_shadowkv.shadowkv.compress import compress_layer
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
@@ -38,7 +38,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
         self.suffix = SuffixPrefill(decoder, decoder.use_triton)
 
     def begin_step(self, batch: ForwardBatch) -> None:
-        shadow = batch.shadow or [None] * batch.batch_size
+        shadow = batch.shadowkv or [None] * batch.batch_size
         compressed = [st is not None and st.layout is not None for st in shadow]
         sparse = [i for i in range(batch.batch_size) if compressed[i] and batch.extend_lens[i] == 1]
         suffix = [i for i in range(batch.batch_size) if compressed[i] and batch.extend_lens[i] > 1]
@@ -64,7 +64,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _sparse_request(batch: ForwardBatch, i: int) -> SparseRequest:
-        st = batch.shadow[i] if batch.shadow else None
+        st = batch.shadowkv[i] if batch.shadowkv else None
         if st is None or st.layout is None:  # a dense request: its whole sequence is its window
             return SparseRequest(batch.pool_rows[i], None, None, batch.seq_lens[i])
         return SparseRequest(batch.pool_rows[i], st.scratch_row, st.layout, batch.seq_lens[i])

@@ -1,6 +1,6 @@
 """Reference attention in plain torch: runs anywhere, defines what the fast backends must equal."""
 
-from kernels.ragged_paged_attention import ragged_paged_attention_reference
+from sglang_shadowkv.kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 from .base import AttentionBackend
 

@@ -1,6 +1,6 @@
 """Triton attention over the paged pool (GPU, or CPU under TRITON_INTERPRET=1)."""
 
-from kernels.ragged_paged_attention import ragged_paged_attention
+from sglang_shadowkv.kernels.ragged_paged_attention import ragged_paged_attention
 
 from .base import AttentionBackend
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ragged_paged_attention import ragged_paged_attention_reference
-from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+from sglang_shadowkv.kernels.ragged_paged_attention import ragged_paged_attention_reference
+from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 from sglang_shadowkv.shadowkv.compress import compress_layer
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
 from sglang_shadowkv.shadowkv.request_state import segment_layout
 from sglang_shadowkv.shadowkv.selection_report import SCORING_RULES, layer_report, summarize
 
-from .model_runner import ModelRunner, StepItem
+from sglang_shadowkv.model_executor.forward_batch import StepItem
+from sglang_shadowkv.model_executor.model_runner import ModelRunner
 
 
 class QueryRecorder:

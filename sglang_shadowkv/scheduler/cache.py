@@ -1,4 +1,5 @@
-"""Pages of running requests and of the radix cache: admission, growth, release.
+"""Pages of running requests and of the radix cache: admission, growth, release. The only owner of
+the radix tree and (through CompressedTier) of ShadowKV's compressed state.
 
 A request is admitted only when the pool, counting what the radix cache could evict, can hold its
 prompt plus its full max_new_tokens: once running it never waits for memory and is never
@@ -18,26 +19,29 @@ import math
 
 from sglang_shadowkv.mem_cache.kv_pool import PoolExhaustedError
 from sglang_shadowkv.mem_cache.radix_cache import RadixCache
+from sglang_shadowkv.model_executor.forward_batch import StepItem
+from sglang_shadowkv.model_executor.model_runner import ModelRunner
 
+from .compressed_tier import CompressedTier
+from .counters import CacheCounters
+from .integrity import check_pools
 from .logprobs import prefix_match_limit
-from .model_runner import ModelRunner
 from .request import Req
-from .shadowkv_manager import ShadowKVManager
 
 
 class CacheManager:
-    def __init__(self, runner: ModelRunner, page_size: int, stats: dict):
+    def __init__(self, runner: ModelRunner, page_size: int):
         self.runner, self.pool, self.page_size = runner, runner.pool, page_size
         self.table = runner.req_to_token
         self.tree = RadixCache(page_size, self._release_entries)
         self.reserved_pages = 0
-        self.stats = stats
-        self.shadow = (ShadowKVManager(runner, self.tree, page_size, stats)
-                       if runner.shadow_cfg is not None else None)
+        self.counters = CacheCounters()
+        self.compressed = (CompressedTier(runner, self.tree, page_size)
+                           if runner.shadowkv_config is not None else None)
 
     def _release_entries(self, entries: list) -> None:
-        if self.shadow is not None:
-            self.shadow.release_entries(entries)
+        if self.compressed is not None:
+            self.compressed.release_entries(entries)
         else:
             self.pool.free(entries)
 
@@ -48,21 +52,30 @@ class CacheManager:
         return self.pool.num_free + self.tree.evictable_pages - self.reserved_pages
 
     # ---- admission ----------------------------------------------------------------------------
-    def try_admit(self, req: Req) -> bool | None:
-        """Give the request its cached prefix, a table row and its reservation. False: it must
-        wait for memory; None: it can never run here (req.finish_reason says why)."""
+    def check_request(self, prompt_len: int, max_total_len: int) -> None:
+        """Raises ValueError naming the problem when the pools could never hold this request."""
+        if self.pages_for(max_total_len) > self.pool.capacity:
+            raise ValueError(
+                f"prompt plus max_new_tokens needs {max_total_len} KV tokens but the pool holds "
+                f"{self.pool.capacity * self.page_size}; lower max_new_tokens or raise max_total_tokens")
+        if self.compressed is not None:
+            self.compressed.check_capacity(prompt_len)
+
+    def try_admit(self, req: Req) -> bool:
+        """Give the request its cached prefix, a table row and its reservation (False: it must
+        wait for memory)."""
         match = self.tree.match_prefix(req.input_ids[:prefix_match_limit(req)])
         self.tree.lock(match.node)
         need = self.pages_for(req.max_total_len) - len(match.pages)
         if need > self.available_pages() or self.table.num_free == 0:
             self.tree.unlock(match.node)
             return False
-        if self.shadow is not None:
-            req.shadow = self.shadow.plan(req, match.pages)
-            if req.shadow is False:
-                req.shadow = None
+        if self.compressed is not None:
+            state = self.compressed.plan(req, match.pages)
+            if state is False:
                 self.tree.unlock(match.node)
                 return False
+            req.shadowkv = state
         req.pool_row = self.table.alloc()
         req.last_node = match.node
         req.pages = list(match.pages)
@@ -73,8 +86,16 @@ class CacheManager:
             self.table.write(req.pool_row, 0, self.pool.slots_of_pages(dense, req.num_computed))
         req.reserved_pages = need
         self.reserved_pages += need
-        self.stats["cached_tokens"] += req.cached_tokens
+        self.counters.cached_tokens += req.cached_tokens
         return True
+
+    def prepare(self, req: Req, item: StepItem) -> None:
+        """Before a step computes the item: its pages, and whether this prefill chunk completes a
+        prompt whose own span is compressed in the same step."""
+        self.ensure_pages(req, item.seq_len)
+        state = req.shadowkv
+        if state is not None and not req.prompt_done:
+            state.compress_now = item.seq_len >= len(req.input_ids) and state.segment is not None
 
     def ensure_pages(self, req: Req, num_tokens: int) -> None:
         need = self.pages_for(num_tokens) - len(req.pages)
@@ -92,15 +113,22 @@ class CacheManager:
         req.reserved_pages -= take
         self.reserved_pages -= take
 
-    def cache_prompt(self, req: Req) -> None:
+    def prompt_done(self, req: Req) -> None:
+        """After the step that completed the prompt: its compressed span (if any) takes the place
+        of its dense pages, and its whole pages go to the radix cache."""
+        if req.shadowkv is not None:
+            self.compressed.on_prompt_done(req)
+        self._cache_prompt(req)
+
+    def _cache_prompt(self, req: Req) -> None:
         """The completed prompt's whole pages (dense or compressed) go to the radix cache now; the
         request holds them there through a lock, like a matched prefix. With a compressed prefix,
         the pages up to its last compressed chunk."""
         whole = len(req.input_ids) // self.page_size
-        if req.shadow is not None and req.shadow.layout is not None:
+        if req.shadowkv is not None and req.shadowkv.layout is not None:
             # up to its last compressed chunk: the dense tail stays the request's, to be compressed
-            # with what it generates when that grows long (ShadowKVManager._compress_tail)
-            whole = min(whole, req.shadow.layout.compressed_end // self.page_size)
+            # with what it generates when that grows long (CompressedTier._compress_tail)
+            whole = min(whole, req.shadowkv.layout.compressed_end // self.page_size)
         if whole <= req.num_borrowed:
             return
         tokens = req.input_ids[:whole * self.page_size]
@@ -115,8 +143,8 @@ class CacheManager:
     def release(self, req: Req) -> None:
         """Hand the request's computed whole pages (dense or compressed) to the radix cache and
         release the rest."""
-        if req.shadow is not None:
-            self.shadow.before_release(req)
+        if req.shadowkv is not None:
+            self.compressed.before_release(req)
         whole = req.num_computed // self.page_size
         tokens = req.all_ids[:whole * self.page_size]
         present = self.tree.insert(tokens, req.pages[:whole])
@@ -129,6 +157,21 @@ class CacheManager:
         req.reserved_pages = 0
         req.pages = []
         req.pool_row = None
+
+    def make_room(self, pages: int) -> None:
+        """Evict cached prefixes until `pages` dense pages are free (as far as the cache can)."""
+        if self.pool.num_free < pages:
+            self.tree.evict(pages - self.pool.num_free)
+
+    def flush(self) -> bool:
+        """Drop every cached prefix; False (nothing dropped) while a request holds part of it."""
+        return self.tree.flush()
+
+    # ---- numbers ------------------------------------------------------------------------------
+    def check_integrity(self, running: list[Req]) -> None:
+        """Raise RuntimeError naming what is wrong unless every page, compressed slot and row is
+        free or owned exactly once (mem_cache accounting; scheduler/integrity.py)."""
+        check_pools(self, running)
 
     def memory_stats(self, running: list[Req]) -> dict:
         running_pages = sum(sum(isinstance(e, int) for e in r.pages[r.num_borrowed:]) for r in running)
@@ -143,3 +186,6 @@ class CacheManager:
             "kv_bytes_per_token": self.pool.bytes_per_token,
             "radix_nodes": self.tree.num_nodes(),
         }
+
+    def shadowkv_stats(self, running: list[Req]) -> dict | None:
+        return None if self.compressed is None else self.compressed.server_stats(running)

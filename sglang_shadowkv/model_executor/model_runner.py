@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -11,16 +10,17 @@ from sglang_shadowkv.layers.attention import ForwardBatch, create_attention_back
 from sglang_shadowkv.layers.attention.eviction_backend import (
     EVICTION_POLICIES, EvictionAttentionBackend, make_eviction_policy)
 from sglang_shadowkv.layers.attention.shadowkv_backend import ShadowKVAttentionBackend
-from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool
 from sglang_shadowkv.mem_cache.memory_plan import (available_host_bytes, documents_that_fit, free_gpu_bytes,
                                                    plan_shadowkv_memory)
-from sglang_shadowkv.mem_cache.shadow_pool import ShadowKVPool
+from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 from sglang_shadowkv.models.loader import LoadedModel, load_model
 from sglang_shadowkv.server_args import ServerArgs
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder
 
-from .cuda_graph import DecodeGraphRunner
+from .cuda_graph_runner import DecodeGraphRunner
+from .forward_batch import StepItem, build_forward_batch
 
 logger = logging.getLogger(__name__)
 
@@ -30,34 +30,6 @@ CPU_DEFAULT_POOL_TOKENS_PER_CONTEXT = 4  # CPU pool: this many full context wind
 SEGMENTS_PER_REQUEST = 4
 SEGMENT_TOKENS = 16384
 CPU_HOST_TOKENS_PER_CONTEXT = 4  # ShadowKV pools on a CPU: this many full context windows
-
-
-@dataclass
-class StepItem:
-    """One request's share of a step: compute its new tokens starting at position `start`.
-
-    A prefill chunk brings its prompt tokens; a decode step's one token is the request's last
-    sampled token, which stays on the device (ModelRunner.next_input) so the step can be launched
-    before the previous step's tokens reach the host (overlap scheduling).
-    """
-    pool_row: int
-    token_ids: list[int]  # prompt tokens of a prefill chunk ([] for a decode step)
-    start: int
-    shadow: object | None = None  # the request's ShadowReqState when attention="shadowkv"
-    prompt_len: int | None = None  # the request's prompt length (None: not tracked)
-    cached_len: int = 0  # prompt tokens the radix cache supplied (this request did not prefill them)
-
-    @property
-    def is_decode(self) -> bool:
-        return not self.token_ids
-
-    @property
-    def num_new(self) -> int:
-        return len(self.token_ids) or 1
-
-    @property
-    def seq_len(self) -> int:
-        return self.start + self.num_new
 
 
 def resolve_device(args: ServerArgs) -> torch.device:
@@ -94,13 +66,13 @@ class ModelRunner:
         self.tokenizer = self.loaded.tokenizer
         self.context_length = cfg.context_length
         page_size = args.page_size
-        self.shadow_cfg = self.shadow_pool = self.decoder = None
+        self.shadowkv_config = self.compressed_pool = self.decoder = None
         bytes_per_token = 2 * cfg.num_layers * cfg.kv_dim * torch.empty((), dtype=self.dtype).element_size()
-        self.shadow_dense_tokens = None  # the dense pool ShadowKV's memory plan leaves (GPU)
+        self.dense_pool_tokens = None  # the dense pool ShadowKV's memory plan leaves (GPU)
         self.memory_plan: dict | None = None  # ShadowKV's split of GPU and host memory (GPU)
         if args.attention == "shadowkv":  # before the dense pool, which takes what memory is left
             self._build_shadowkv(args, bytes_per_token)
-        tokens = args.max_total_tokens or self.shadow_dense_tokens or self._default_pool_tokens(args, bytes_per_token)
+        tokens = args.max_total_tokens or self.dense_pool_tokens or self._default_pool_tokens(args, bytes_per_token)
         num_pages = max(2, tokens // page_size + 1)
         self.pool = PagedKVPool(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads,
                                 cfg.head_dim, self.dtype, self.device)
@@ -114,8 +86,8 @@ class ModelRunner:
         else:
             self.backend_name = args.attention_backend or default_backend(self.device)
             self.backend = create_attention_backend(self.backend_name, self.pool, cfg.num_heads, cfg.head_dim)
-        if self.shadow_cfg is not None:
-            self.backend = ShadowKVAttentionBackend(self.backend, self.shadow_pool, self.shadow_cfg,
+        if self.shadowkv_config is not None:
+            self.backend = ShadowKVAttentionBackend(self.backend, self.compressed_pool, self.shadowkv_config,
                                                     self.model.rotary, self.req_to_token, self.decoder)
         logger.info("KV pool: %d pages of %d tokens (%.1f MiB), backend %s", num_pages, page_size,
                     num_pages * page_size * bytes_per_token / 2**20, self.backend_name)
@@ -126,20 +98,20 @@ class ModelRunner:
 
     def _build_shadowkv(self, args: ServerArgs, dense_bytes_per_token: int) -> None:
         cfg = self.config
-        skv = ShadowKVConfig.from_server_args(args).resolve_storage(self.device.type == "cuda")
-        self.shadow_cfg = skv
+        skv = args.shadowkv.resolve_storage(self.device.type == "cuda")
+        self.shadowkv_config = skv
         host_tokens = skv.host_tokens
         if host_tokens is None:
             host_tokens = (self._plan_shadowkv_memory(args, skv, dense_bytes_per_token)
                            if self.device.type == "cuda" else CPU_HOST_TOKENS_PER_CONTEXT * self.context_length)
         segments = max(SEGMENTS_PER_REQUEST * skv.max_requests, host_tokens // SEGMENT_TOKENS)
-        self.shadow_pool = ShadowKVPool(
+        self.compressed_pool = ShadowKVPool(
             num_chunk_slots=host_tokens // skv.chunk_size, max_segments=segments,
             max_outliers=skv.outliers, chunk_size=skv.chunk_size, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_rank=skv.max_rank(cfg.kv_dim),
             dtype=self.dtype, device=self.device, value_dtype=skv.host_value_torch_dtype,
             landmark_dtype=skv.landmark_torch_dtype)
-        self.decoder = SparseDecoder(self.shadow_pool, skv, self.model.rotary, skv.max_requests,
+        self.decoder = SparseDecoder(self.compressed_pool, skv, self.model.rotary, skv.max_requests,
                                      self.context_length // skv.chunk_size, self.device.type == "cuda")
         logger.info("ShadowKV: %s; %s", skv.describe_rank(cfg.kv_dim), skv.describe_budget())
 
@@ -156,11 +128,11 @@ class ModelRunner:
                    * torch.empty((), dtype=self.dtype).element_size())
         gpu_budget = int(free_gpu_bytes(self.device) * args.mem_fraction_static)
         host_available = available_host_bytes()
-        host_budget = int(host_available * args.shadowkv_host_mem_fraction)
+        host_budget = int(host_available * skv.host_mem_fraction)
         plan = plan_shadowkv_memory(gpu_budget, host_budget, dense_bytes_per_token, per_slot, unit["host_per_slot"],
                                     scratch, self.context_length, args.max_running_requests)
         if args.max_total_tokens is None:
-            self.shadow_dense_tokens = plan.dense_tokens
+            self.dense_pool_tokens = plan.dense_tokens
         tokens = plan.chunk_slots * skv.chunk_size
         self.memory_plan = {"gpu_budget_bytes": gpu_budget, "host_available_bytes": host_available,
                             "host_budget_bytes": host_budget, "dense_tokens": plan.dense_tokens,
@@ -183,31 +155,12 @@ class ModelRunner:
         if not self.backend.supports_graphs:
             logger.info("attention %s runs eagerly: no decode graphs", type(self.backend).__name__)
             return
-        self.graphs = DecodeGraphRunner(self, min(max_bs, self.req_to_token.padding_row), capture, only_for)
+        self.graphs = DecodeGraphRunner(self.model, self.backend, self.req_to_token, self.next_input,
+                                        self.config.vocab_size, self.context_length,
+                                        min(max_bs, self.req_to_token.padding_row), capture, only_for)
 
     def build_batch(self, items: list[StepItem]) -> ForwardBatch:
-        dev = self.device
-        q_lens = [it.num_new for it in items]
-        seq_lens = [it.seq_len for it in items]
-        rows = [it.pool_row for it in items]
-        q_indptr = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        kv_indptr = torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        table = self.req_to_token
-        kv_indices = table.span_slots(rows, [0] * len(items), seq_lens)
-        out_cache_loc = table.span_slots(rows, [it.start for it in items], seq_lens).long()
-        positions = torch.cat([torch.arange(it.start, it.seq_len) for it in items])
-        input_ids = to_device(torch.tensor([t for it in items for t in (it.token_ids or [0])]), dev)
-        decode = [i for i, it in enumerate(items) if it.is_decode]
-        if decode:  # decode tokens: each request's last sampled token, already on the device
-            starts = q_indptr.tolist()  # a host tensor: no sync
-            at = to_device(torch.tensor([[starts[i] for i in decode], [rows[i] for i in decode]]), dev)
-            input_ids[at[0]] = self.next_input[at[1]]
-        return ForwardBatch(
-            input_ids=input_ids, positions=to_device(positions, dev), out_cache_loc=out_cache_loc,
-            q_indptr=to_device(q_indptr, dev), kv_indptr=to_device(kv_indptr, dev), kv_indices=kv_indices,
-            extend_lens=q_lens, seq_lens=seq_lens, pool_rows=rows,
-            shadow=[it.shadow for it in items], prompt_lens=[it.prompt_len for it in items],
-            cached_lens=[it.cached_len for it in items])
+        return build_forward_batch(items, self.req_to_token, self.next_input, self.device)
 
     def forward(self, items: list[StepItem], logit_rows: list[int] | None = None) -> torch.Tensor:
         """Run one step; logits [len(items), vocab] of each item's last token, or of the given

@@ -11,7 +11,7 @@ import torch
 from sglang_shadowkv.mem_cache.radix_cache import TreeNode
 from sglang_shadowkv.sampling_params import SamplingParams
 
-from .logprobs import ReqLogprobs
+from sglang_shadowkv.scheduler.logprobs import ReqLogprobs
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Req:
     num_computed: int = 0  # tokens whose K/V are in the pool
     reserved_pages: int = 0  # pages promised at admission, not yet allocated
     max_total_len: int = 0  # prompt + the most tokens it may generate
-    shadow: Any = None  # ShadowReqState when the prompt is compressed (attention="shadowkv")
+    shadowkv: Any = None  # ShadowKVReqState when its prefix is (or its prompt will be) compressed
     shadowkv_info: dict | None = None  # the request's ShadowKV memory report, set when it finishes
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)

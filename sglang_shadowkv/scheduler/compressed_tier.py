@@ -1,4 +1,5 @@
-"""The scheduler's ShadowKV side: compressed state as radix-cache payload (DESIGN.md §3).
+"""The cache's compressed tier: ShadowKV's state as radix-cache payload (DESIGN.md §3). Only the
+CacheManager calls it.
 
 A request's page entries (see Req.pages) may be compressed ChunkRefs matched from the tree; its
 suffix prefills against them without restoring them dense (shadowkv/suffix_prefill.py), sparsely
@@ -15,26 +16,26 @@ import dataclasses
 import logging
 
 from sglang_shadowkv.mem_cache.radix_cache import RadixCache
-from sglang_shadowkv.mem_cache.shadow_pool import ChunkRef, Segment
+from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, Segment
 from sglang_shadowkv.shadowkv.memory_report import request_report
-from sglang_shadowkv.shadowkv.request_state import ShadowReqState, build_layout
+from sglang_shadowkv.shadowkv.request_state import ShadowKVReqState, build_layout
 
-from .model_runner import ModelRunner
+from sglang_shadowkv.model_executor.model_runner import ModelRunner
+
+from .counters import CompressionCounters
 from .request import Req
 
 logger = logging.getLogger(__name__)
 
 
-class ShadowKVManager:
-    def __init__(self, runner: ModelRunner, tree: RadixCache, page_size: int, stats: dict):
-        self.cfg, self.store, self.decoder = runner.shadow_cfg, runner.shadow_pool, runner.decoder
+class CompressedTier:
+    def __init__(self, runner: ModelRunner, tree: RadixCache, page_size: int):
+        self.cfg, self.store, self.decoder = runner.shadowkv_config, runner.compressed_pool, runner.decoder
         self.runner, self.pool, self.tree, self.page_size = runner, runner.pool, tree, page_size
         if page_size != self.cfg.chunk_size:
             raise ValueError(f"attention='shadowkv' needs page_size == shadowkv_chunk_size "
                              f"(got {page_size} and {self.cfg.chunk_size})")
-        self.stats = stats
-        stats.update(compressed_requests=0, compressed_tokens=0, compressions=0,
-                     compressed_prefix_hits=0, compressed_tokens_reused=0, tail_compressions=0)
+        self.counters = CompressionCounters()
         self.rank_totals = [0] * runner.config.num_layers  # summed over compressions: the mean rank per layer
         self.last_ranks: list[int] = []
 
@@ -61,7 +62,7 @@ class ShadowKVManager:
         return seg
 
     # ---- admission ----------------------------------------------------------------------------
-    def plan(self, req: Req, entries: list) -> ShadowReqState | None | bool:
+    def plan(self, req: Req, entries: list) -> ShadowKVReqState | None | bool:
         """ShadowKV state for a request about to be admitted with the matched entries: None when
         it stays plain dense, False when the pools are full (wait). A suffix over matched chunks
         attends them exactly when it is long, or when the request scores its prompt (logprobs)."""
@@ -76,24 +77,24 @@ class ShadowKVManager:
             if seg is not None:
                 self.store.free_segment(seg)
             return False
-        state = ShadowReqState(row, seg)
+        state = ShadowKVReqState(row, seg)
         if matched_chunks:
             state.layout = build_layout(entries, self.cfg.chunk_size)
             suffix = len(req.input_ids) - start
             state.exact_prefill = suffix > self.cfg.sparse_prefill_max or (
                 req.logprob is not None and not req.logprob.input_done)
-            self.stats["compressed_prefix_hits"] += 1
-            self.stats["compressed_tokens_reused"] += state.layout.num_chunks * self.cfg.chunk_size
+            self.counters.compressed_prefix_hits += 1
+            self.counters.compressed_tokens_reused += state.layout.num_chunks * self.cfg.chunk_size
         return state
 
     # ---- prompt done --------------------------------------------------------------------------
     def on_prompt_done(self, req: Req) -> None:
         """After the step that completed the prompt (and compressed the own span, if any)."""
-        st = req.shadow
+        st = req.shadowkv
         if st.segment is not None:
             self.store.wait_host_writes()  # the next step's value gathers read them
             self._swap_in_chunk_refs(req, st.segment)
-            self.stats["compressed_requests"] += 1
+            self.counters.compressed_requests += 1
             st.segment = None
         st.compress_now = False
         st.layout = build_layout(req.pages, self.cfg.chunk_size)
@@ -104,8 +105,8 @@ class ShadowKVManager:
         refs = self.store.chunk_refs(seg)
         self.pool.free(req.pages[first:first + len(refs)])
         req.pages[first:first + len(refs)] = refs
-        self.stats["compressions"] += 1
-        self.stats["compressed_tokens"] += seg.num_tokens
+        self.counters.compressions += 1
+        self.counters.compressed_tokens += seg.num_tokens
         self.rank_totals = [t + r for t, r in zip(self.rank_totals, seg.ranks)]
         self.last_ranks = list(seg.ranks)
         logger.info("ShadowKV: compressed %d tokens of request %s, ranks per layer %s", seg.num_tokens, req.rid,
@@ -114,7 +115,7 @@ class ShadowKVManager:
     # ---- release ------------------------------------------------------------------------------
     def before_release(self, req: Req) -> None:
         """Report, free what only the request used, and compress a long own dense tail."""
-        st = req.shadow
+        st = req.shadowkv
         if st.layout is not None:
             req.shadowkv_info = self.report(req)
         if st.segment is not None:  # aborted before its prompt was compressed
@@ -139,12 +140,12 @@ class ShadowKVManager:
         self.runner.backend.compress_span(req.pool_row, seg)
         self.store.wait_host_writes()
         self._swap_in_chunk_refs(req, seg)
-        self.stats["tail_compressions"] += 1
+        self.counters.tail_compressions += 1
 
     # ---- numbers ------------------------------------------------------------------------------
     def report(self, req: Req) -> dict:
         dense_tokens = sum(isinstance(e, int) for e in req.pages) * self.page_size
-        return request_report(self.store, self.decoder, req.shadow.layout, req.shadow.scratch_row,
+        return request_report(self.store, self.decoder, req.shadowkv.layout, req.shadowkv.scratch_row,
                               dense_tokens, self.pool.bytes_per_token, req.num_computed)
 
     def holders(self) -> dict:
@@ -163,7 +164,7 @@ class ShadowKVManager:
     def server_stats(self, running: list[Req]) -> dict:
         """Totals over running requests with a compressed prefix, the cache's compressed state,
         pool capacity, and the cumulative counters."""
-        live = [r for r in running if r.shadow is not None and r.shadow.layout is not None]
+        live = [r for r in running if r.shadowkv is not None and r.shadowkv.layout is not None]
         reports = [self.report(r) for r in live]
         total = {key: sum(r[key] for r in reports) for key in
                  ("dense_kv_bytes", "gpu_compressed_bytes", "gpu_scratch_bytes", "gpu_total_bytes",
@@ -171,10 +172,7 @@ class ShadowKVManager:
         total["gpu_saving_vs_full"] = total["full_kv_bytes"] / total["gpu_total_bytes"] if reports else 0.0
         total["chunk_cache_hit_rate"] = (total["chunk_cache_hits"] / total["chunk_cache_lookups"]
                                          if total["chunk_cache_lookups"] else 0.0)
-        counters = {k: self.stats[k] for k in ("compressed_requests", "compressed_tokens", "compressions",
-                                               "tail_compressions", "compressed_prefix_hits",
-                                               "compressed_tokens_reused")}
-        done = max(1, self.stats["compressions"])
+        done = max(1, self.counters.compressions)
         return {"config": dataclasses.asdict(self.cfg), "running_compressed_requests": len(reports),
                 "ranks": {"last_per_layer": self.last_ranks,
                           "mean_per_layer": [round(t / done, 2) for t in self.rank_totals]},
@@ -183,4 +181,4 @@ class ShadowKVManager:
                 "pools": self.store.capacity_bytes(), "holders": self.holders(),
                 "radix_cache": {"compressed_tokens": self.tree.total_chunks * self.cfg.chunk_size,
                                 "evictable_compressed_tokens": self.tree.evictable_chunks * self.cfg.chunk_size},
-                **counters}
+                **self.counters.as_dict()}

@@ -8,6 +8,8 @@ float32 copy and several temporaries of the same size.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import triton
 import triton.language as tl
@@ -54,3 +56,17 @@ def rotate(x, cos_cache, sin_cache, positions, inverse: bool = False, out_dtype=
             cos_cache.stride(0), -1.0 if inverse else 1.0, HALF=d // 2,
             HALF_PAD=triton.next_power_of_2(d // 2), BLOCK_T=block_t)
     return out
+
+
+class RotaryTables(Protocol):
+    """What rotating needs of a model's rotary embedding (layers/rotary.py's RotaryEmbedding):
+    cos/sin tables [max_pos, head_dim/2] float32."""
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
+
+def apply_rotary(tables: RotaryTables, x, positions, inverse: bool = False, out_dtype=None):
+    """Rotate x [tokens, heads, head_dim] by positions: one Triton pass on a GPU, the torch
+    reference elsewhere."""
+    rotate_fn = rotate if x.is_cuda else rotate_reference
+    return rotate_fn(x, tables.cos_cache, tables.sin_cache, positions, inverse, out_dtype)

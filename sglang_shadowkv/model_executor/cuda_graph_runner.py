@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_shadowkv.layers.attention.base import NO_GRAPH, ForwardBatch
-from sglang_shadowkv.mem_cache.kv_pool import to_device
+from sglang_shadowkv.layers.attention.base import NO_GRAPH, AttentionBackend, ForwardBatch
+from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool, to_device
 from sglang_shadowkv.mem_cache.memory_plan import free_gpu_bytes
 
-if TYPE_CHECKING:
-    from .model_runner import ModelRunner, StepItem
+from .forward_batch import StepItem
 
 logger = logging.getLogger(__name__)
 
@@ -42,40 +40,42 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeGraphRunner:
-    def __init__(self, runner: "ModelRunner", max_bs: int, capture: bool,
-                 only_for: list["StepItem"] | None = None):
-        """only_for: capture just the graph this decode batch replays with (a benchmark's fixed
-        batch), not every batch size and variant."""
-        self.runner = runner
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, table: ReqToTokenPool,
+                 next_input: torch.Tensor, vocab_size: int, context_length: int, max_bs: int, capture: bool,
+                 only_for: list[StepItem] | None = None):
+        """model and backend run the steps; table and next_input are the model runner's request rows
+        and last sampled tokens. only_for: capture just the graph this decode batch replays with (a
+        benchmark's fixed batch), not every batch size and variant."""
+        self.model, self.backend, self.table, self.next_input = model, backend, table, next_input
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = max_bs
         self.capture = capture
-        dev = runner.device
+        self.device = dev = next_input.device
         self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.long, device=dev)
         self.q_indptr = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.logits = torch.zeros(max_bs, runner.config.vocab_size, dtype=torch.float32, device=dev)
-        runner.backend.init_graph_state(max_bs, max_bs * runner.context_length, runner.req_to_token)
+        self.logits = torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=dev)
+        backend.init_graph_state(max_bs, max_bs * context_length, table)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.replays = 0
         self.capture_seconds = self.graph_bytes = 0.0
         if capture:
             self._capture(self._keys_for(only_for) if only_for else
-                          [(bs, v) for bs in reversed(self.batch_sizes) for v in runner.backend.graph_variants()])
+                          [(bs, v) for bs in reversed(self.batch_sizes) for v in backend.graph_variants()])
 
     def bucket(self, batch_size: int) -> int | None:
         """The captured size a batch is padded to (None: too large for the graphs)."""
         return next((s for s in self.batch_sizes if s >= batch_size), None)
 
-    def run(self, items: list["StepItem"]) -> torch.Tensor | None:
+    def run(self, items: list[StepItem]) -> torch.Tensor | None:
         """Logits [len(items), vocab] of a decode batch (a view, overwritten by the next replay),
         or None when no captured graph fits it (the caller runs it eagerly)."""
         bs = self.bucket(len(items))
         if bs is None:
             return None
         batch = self._padded_batch(items, bs)
-        backend = self.runner.backend
+        backend = self.backend
         variant = backend.graph_variant(batch)
         if variant is NO_GRAPH:
             return None
@@ -87,57 +87,57 @@ class DecodeGraphRunner:
                 return None
             graph.replay()
         else:
-            self.logits[:bs].copy_(self.runner.model(batch, backend))
+            self.logits[:bs].copy_(self.model(batch, backend))
         self.replays += 1
         return self.logits[:len(items)]
 
-    def _padded_batch(self, items: list["StepItem"], bs: int) -> ForwardBatch:
+    def _padded_batch(self, items: list[StepItem], bs: int) -> ForwardBatch:
         pad = bs - len(items)
-        row = self.runner.req_to_token.padding_row
+        row = self.table.padding_row
         return ForwardBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
             q_indptr=self.q_indptr[:bs + 1], kv_indptr=None, kv_indices=None,
             extend_lens=[1] * bs, seq_lens=[it.seq_len for it in items] + [1] * pad,
             pool_rows=[it.pool_row for it in items] + [row] * pad,
-            shadow=[it.shadow for it in items] + [None] * pad)
+            shadowkv=[it.shadowkv for it in items] + [None] * pad)
 
     def _write_inputs(self, batch: ForwardBatch) -> None:
         """Token ids (each request's last sampled token, already on the device), positions and the
         slots receiving the new K/V, into the fixed buffers."""
         bs = batch.batch_size
-        rows_pos = to_device(torch.tensor([batch.pool_rows, [n - 1 for n in batch.seq_lens]]), self.runner.device)
+        rows_pos = to_device(torch.tensor([batch.pool_rows, [n - 1 for n in batch.seq_lens]]), self.device)
         rows, positions = rows_pos
         self.positions[:bs].copy_(positions)
-        torch.index_select(self.runner.next_input, 0, rows, out=self.input_ids[:bs])
-        self.out_cache_loc[:bs].copy_(self.runner.req_to_token.table[rows, positions])
+        torch.index_select(self.next_input, 0, rows, out=self.input_ids[:bs])
+        self.out_cache_loc[:bs].copy_(self.table.table[rows, positions])
 
-    def _keys_for(self, items: list["StepItem"]) -> list[tuple]:
+    def _keys_for(self, items: list[StepItem]) -> list[tuple]:
         bs = self.bucket(len(items))
-        return [(bs, self.runner.backend.graph_variant(self._padded_batch(items, bs)))]
+        return [(bs, self.backend.graph_variant(self._padded_batch(items, bs)))]
 
     def _capture(self, keys: list[tuple]) -> None:
         """Capture each (batch size, variant), largest first, in one memory pool: only one graph
         runs at a time, so their intermediate tensors can share memory."""
-        runner, backend = self.runner, self.runner.backend
-        start, before = time.perf_counter(), free_gpu_bytes(runner.device)
+        model, backend, dev = self.model, self.backend, self.device
+        start, before = time.perf_counter(), free_gpu_bytes(dev)
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(runner.device)
+        stream = torch.cuda.Stream(dev)
         for bs, variant in keys:
             batch = self._padded_batch([], bs)
             self._write_inputs(batch)
             backend.begin_graph_step(batch, variant)
-            stream.wait_stream(torch.cuda.current_stream(runner.device))
+            stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
                 for _ in range(WARMUP_RUNS):
-                    runner.model(batch, backend)
-            torch.cuda.current_stream(runner.device).wait_stream(stream)
+                    model(batch, backend)
+            torch.cuda.current_stream(dev).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits[:bs].copy_(runner.model(batch, backend))
+                self.logits[:bs].copy_(model(batch, backend))
             self.graphs[(bs, variant)] = graph
-        torch.cuda.synchronize(runner.device)
+        torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - start
-        self.graph_bytes = before - free_gpu_bytes(runner.device)
+        self.graph_bytes = before - free_gpu_bytes(dev)
         logger.info("captured %d decode CUDA graphs (batch sizes %s, %d variants) in %.1f s, %.2f GiB",
                     len(self.graphs), self.batch_sizes, len(backend.graph_variants()),
                     self.capture_seconds, self.graph_bytes / 2**30)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rotary import rotate_reference
+from sglang_shadowkv.kernels.rotary import rotate_reference
 
 
 def rebuild_keys_reference(a_rows, basis, cos, sin, chunk_pos, chunk_basis, jobs, scratch_k,

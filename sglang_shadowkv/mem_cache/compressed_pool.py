@@ -115,6 +115,16 @@ class ShadowKVPool:
     def free_segments(self) -> int:
         return len(self._free_segments)
 
+    @property
+    def outlier_capacity(self) -> int:
+        """Outlier blocks that can ever be allocated (all but the reserved block 0)."""
+        return self.outlier_k[0].shape[0] - 1
+
+    def free_ids(self) -> dict[str, list[int]]:
+        """Free segment ids, chunk slots and outlier blocks (copies; for accounting checks)."""
+        return {"segments": list(self._free_segments), "chunk_slots": list(self._free_slots),
+                "outlier_blocks": list(self._free_out_blocks)}
+
     def can_alloc(self, num_chunks: int, num_outliers: int) -> bool:
         return (num_chunks <= len(self._free_slots) and self._free_segments
                 and self.num_kv_heads * num_outliers <= len(self._free_out_blocks))

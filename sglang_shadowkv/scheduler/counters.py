@@ -1,0 +1,52 @@
+"""Cumulative counters, one dataclass per owner (each written only by its owner), summed into the
+one flat dict that server_info's "stats" and the Prometheus metrics read."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+class Counters:
+    """Base of the counter sets: plain int fields, snapshot and restore (the warmup leaves none)."""
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def restore(self, snapshot: dict[str, int]) -> None:
+        for name, value in snapshot.items():
+            setattr(self, name, value)
+
+
+@dataclass
+class StepCounters(Counters):
+    """The scheduler's: requests taken, tokens computed, decode steps run."""
+    requests: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+
+
+@dataclass
+class CacheCounters(Counters):
+    """The cache's: prompt tokens the radix cache supplied, dense and compressed."""
+    cached_tokens: int = 0
+
+
+@dataclass
+class CompressionCounters(Counters):
+    """The compressed tier's: what was compressed, and what later requests reused compressed."""
+    compressed_requests: int = 0  # requests whose own prompt was compressed at its prefill
+    compressed_tokens: int = 0  # tokens compressed, all segments
+    compressions: int = 0  # segments compressed
+    tail_compressions: int = 0  # segments made of a finished request's long dense tail (a chat's growth)
+    compressed_prefix_hits: int = 0  # requests that matched a compressed prefix
+    compressed_tokens_reused: int = 0  # tokens of those prefixes
+
+
+def merged(*owners: Counters) -> dict[str, int]:
+    """One flat dict of every owner's counters (names are unique across owners)."""
+    out: dict[str, int] = {}
+    for owner in owners:
+        out.update(owner.as_dict())
+    return out

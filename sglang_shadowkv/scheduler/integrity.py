@@ -1,0 +1,81 @@
+"""Pool accounting, checked (mini-sglang's check_integrity): every dense page, compressed chunk
+slot, segment, scratch row and request row is free or held, and held by exactly one owner.
+
+Owners: the radix tree (its entries), and each running request (its own entries past the
+borrowed prefix, the copies it made of entries another request cached first, its segment being
+compressed, its scratch row and table row). A compressed segment's reference count must equal the
+chunk references that the tree and the requests hold. Run by the scheduler whenever it goes idle
+with `--check-integrity` (tests turn it on), and by tests after random sequences of requests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef
+
+if TYPE_CHECKING:
+    from .cache import CacheManager
+    from .request import Req
+
+
+def check_pools(cache: "CacheManager", running: list["Req"]) -> None:
+    """Raise RuntimeError listing every accounting error found (none: return)."""
+    errors: list[str] = []
+    tree_entries = list(cache.tree.entries())
+    owned = [e for r in running for e in r.pages[r.num_borrowed:] + r.duplicate_entries]
+    _check_once(errors, "dense page", range(1, cache.pool.capacity + 1), cache.pool.free_ids(),
+                [e for e in tree_entries + owned if isinstance(e, int)])
+    _check_tree_counts(errors, cache, tree_entries)
+    reserved = sum(r.reserved_pages for r in running)
+    if reserved != cache.reserved_pages:
+        errors.append(f"reserved pages: the requests hold {reserved}, the cache counts {cache.reserved_pages}")
+    rows = [r.pool_row for r in running if r.pool_row is not None]
+    _check_once(errors, "request row", range(cache.table.padding_row), cache.table.free_ids(), rows)
+    if cache.compressed is not None:
+        _check_compressed(errors, cache, tree_entries, owned, running)
+    if errors:
+        raise RuntimeError("pool accounting is broken: " + "; ".join(errors))
+
+
+def _check_once(errors: list[str], what: str, universe, free: list, held: list) -> None:
+    """Every id of the universe is free or held, once."""
+    counts = Counter(free) + Counter(held)
+    missing = [i for i in universe if counts[i] == 0]
+    twice = sorted(i for i, n in counts.items() if n > 1)
+    strangers = sorted(set(counts) - set(universe))
+    if missing:
+        errors.append(f"{len(missing)} {what}(s) neither free nor held (leaked), e.g. {missing[:5]}")
+    if twice:
+        errors.append(f"{len(twice)} {what}(s) free or held twice, e.g. {twice[:5]}")
+    if strangers:
+        errors.append(f"{what} ids outside the pool: {strangers[:5]}")
+
+
+def _check_tree_counts(errors: list[str], cache: "CacheManager", entries: list) -> None:
+    dense = sum(isinstance(e, int) for e in entries)
+    tree = cache.tree
+    if (dense, len(entries) - dense) != (tree.total_pages, tree.total_chunks):
+        errors.append(f"radix tree counts {tree.total_pages} pages and {tree.total_chunks} chunks but holds "
+                      f"{dense} and {len(entries) - dense}")
+
+
+def _check_compressed(errors: list[str], cache: "CacheManager", tree_entries: list, owned: list,
+                      running: list["Req"]) -> None:
+    tier = cache.compressed
+    store, decoder = tier.store, tier.decoder
+    refs = Counter(id(e.segment) for e in tree_entries + owned if isinstance(e, ChunkRef))
+    for seg in store.live.values():
+        compressing = any(r.shadowkv is not None and r.shadowkv.segment is seg for r in running)
+        if seg.refs != refs[id(seg)] or (seg.refs == 0 and not compressing):
+            errors.append(f"segment {seg.seg_id} counts {seg.refs} references, {refs[id(seg)]} are held")
+    segments = list(store.live.values())
+    free = store.free_ids()
+    _check_once(errors, "segment", range(store.max_segments), free["segments"], [s.seg_id for s in segments])
+    _check_once(errors, "chunk slot", range(1, store.chunk_capacity + 1), free["chunk_slots"],
+                [slot for s in segments for slot in s.chunk_slots.tolist()])
+    _check_once(errors, "outlier block", range(1, store.outlier_capacity + 1), free["outlier_blocks"],
+                [b for s in segments for b in s.outlier_blocks.flatten().tolist()])
+    scratch = [r.shadowkv.scratch_row for r in running if r.shadowkv is not None]
+    _check_once(errors, "scratch row", range(decoder.max_rows), decoder.free_row_ids(), scratch)

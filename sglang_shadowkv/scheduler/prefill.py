@@ -1,0 +1,95 @@
+"""Prefill: the waiting queue, admission (memory, shared-prefix deferral) and each step's chunks of
+the admitted prompts within the chunk budget."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from sglang_shadowkv.model_executor.forward_batch import StepItem
+
+from .cache import CacheManager
+from .request import Req
+
+SHARED_PREFILL_TOKENS = 256  # a shared prefix at least this long (and most of a prompt) is worth waiting for
+
+
+def shares_prefill(req: Req, prefilling: Req) -> bool:
+    """Whether most of req's prompt is what `prefilling` computes now (past its cached prefix),
+    and at least SHARED_PREFILL_TOKENS of it: then req waits for that prefill and reuses it."""
+    shared = common_prefix_len(req.input_ids, prefilling.input_ids) - prefilling.cached_tokens
+    return shared >= SHARED_PREFILL_TOKENS and 2 * shared >= len(req.input_ids) - prefilling.cached_tokens
+
+
+def common_prefix_len(a: list[int], b: list[int], block: int = 1024) -> int:
+    n = min(len(a), len(b))
+    pos = 0
+    while pos < n and a[pos:pos + block] == b[pos:pos + block]:
+        pos += block
+    end = min(pos + block, n)
+    while pos < end and a[pos] == b[pos]:
+        pos += 1
+    return min(pos, n)
+
+
+class PrefillManager:
+    def __init__(self, cache: CacheManager, chunk_budget: int):
+        self.cache, self.chunk_budget = cache, chunk_budget
+        self.waiting: deque[Req] = deque()  # not admitted yet, in arrival order
+        self.prefilling: list[Req] = []  # admitted, prompt not fully computed, in admission order
+        self.rejected: list[Req] = []  # dropped at admission (finish_reason says why); reported by the next step
+
+    def admit(self, free_places: int, nothing_in_flight: bool) -> None:
+        """Admit waiting requests in order while memory and free_places allow. One that shares a
+        long prefix with a prompt still being prefilled waits for it (SGLang's in-batch prefix
+        caching): that prompt goes to the radix cache when it completes, so a shared document is
+        prefilled (and compressed) once however many of its requests arrive together.
+        nothing_in_flight: no request runs and no step is pending, so nothing will free memory."""
+        deferred = []
+        while self.waiting and free_places > 0:
+            req = self.waiting.popleft()
+            if any(shares_prefill(req, other) for other in self.prefilling):
+                deferred.append(req)
+                continue
+            if not self.cache.try_admit(req):
+                if self.cache.compressed is not None and nothing_in_flight:
+                    # nothing running will free the compressed pools: this request can never start
+                    req.finish_reason = {"type": "abort", "message": "the ShadowKV pools are full"}
+                    self.rejected.append(req)
+                    continue
+                self.waiting.appendleft(req)
+                break  # wait for running requests to finish
+            self.prefilling.append(req)
+            free_places -= 1
+        self.waiting.extendleft(reversed(deferred))
+
+    def schedule(self) -> tuple[list[StepItem], list[Req]]:
+        """The next chunk of each admitted prompt, in admission order, within the chunk budget."""
+        items, reqs, budget = [], [], self.chunk_budget
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            tokens = req.input_ids[req.num_computed:req.num_computed + budget]
+            budget -= len(tokens)
+            item = StepItem(req.pool_row, tokens, req.num_computed, req.shadowkv, len(req.input_ids),
+                            req.cached_tokens)
+            self.cache.prepare(req, item)
+            items.append(item)
+            reqs.append(req)
+        return items, reqs
+
+    def take_done(self) -> list[Req]:
+        """The admitted requests whose prompt is now fully computed (they leave prefill)."""
+        done = [r for r in self.prefilling if r.prompt_done]
+        self.prefilling = [r for r in self.prefilling if not r.prompt_done]
+        return done
+
+    def abort(self, rid: str) -> Req | None:
+        """Remove a waiting or prefilling request by rid (None: not here). A prefilling one still
+        holds its cache state: the caller releases it."""
+        for queue in (self.waiting, self.prefilling):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    req.finish_reason = {"type": "abort", "message": "aborted"}
+                    return req
+        return None

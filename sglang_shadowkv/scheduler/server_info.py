@@ -1,0 +1,44 @@
+"""What /get_server_info reports of a scheduler: the model and device, memory and capacity, the
+counters, ShadowKV's compressed state, and how steps ran (graphs, overlap)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from sglang_shadowkv.mem_cache.memory_plan import documents_that_fit
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+def server_info(scheduler: "Scheduler") -> dict:
+    runner, running = scheduler.runner, scheduler.running
+    return {
+        "model_path": runner.loaded.model_path,
+        "attention": scheduler.args.attention,
+        "attention_backend": runner.backend_name,
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "context_length": runner.context_length,
+        "memory": scheduler.cache.memory_stats(running),
+        "capacity": capacity(scheduler),
+        "shadowkv": scheduler.cache.shadowkv_stats(running),
+        "stats": scheduler.stats,
+        "steps": {"overlap": scheduler.overlap, "eager_steps": runner.eager_steps,
+                  "cuda_graph": None if runner.graphs is None else runner.graphs.stats()},
+        "running_requests": len(running),
+        "waiting_requests": len(scheduler.prefill.waiting),
+        "time": time.time(),
+    }
+
+
+def capacity(scheduler: "Scheduler") -> dict:
+    """How many documents of 16K, 32K and 128K tokens the pools hold at once, dense and (with
+    ShadowKV) compressed."""
+    runner = scheduler.runner
+    store = runner.compressed_pool
+    compressed = None if store is None else store.chunk_capacity * store.chunk_size
+    fit = documents_that_fit(runner.pool.capacity * scheduler.page_size, compressed,
+                             None if store is None else store.max_segments)
+    return fit if runner.memory_plan is None else {**fit, "memory_plan": runner.memory_plan}

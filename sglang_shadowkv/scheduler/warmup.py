@@ -1,0 +1,40 @@
+"""The server's warmup (SGLang's warmup request): each kind of step runs once before serving, so
+that kernels compile (Triton, FlashInfer's JIT) now and not in a user's time to first token."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from sglang_shadowkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def warm_up(scheduler: "Scheduler") -> None:
+    """A short prompt; with ShadowKV also a document long enough to be compressed, then a question
+    of two 64-query tiles over it (the sparse suffix prefill) and its sparse decode. The cache and
+    the counters are left as they were."""
+    saved = [(counters, counters.as_dict()) for counters in scheduler.counter_sets]
+    vocab, context = scheduler.vocab_size, scheduler.context_length
+    low = min(1000, vocab // 4)
+    ids = [low + (i * 7919) % (vocab - 2 * low) for i in range(context)]
+    prompts = [ids[:16]]
+    compressed = scheduler.cache.compressed
+    if compressed is not None and compressed.cfg.min_context + 200 < context:
+        doc = ids[:compressed.cfg.min_context + 64]
+        prompts = [doc, doc + ids[-100:]]
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(f"warmup-{i}", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        while scheduler.has_work:
+            scheduler.step()
+    scheduler.flush_cache()
+    for counters, snapshot in saved:
+        counters.restore(snapshot)
+    logger.info("warmup: %d requests in %.1f s", len(prompts), time.perf_counter() - start)
+
