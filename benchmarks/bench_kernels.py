@@ -9,10 +9,13 @@ Llama-3.1-8B-shaped attention (32 query heads, 8 KV heads, head dim 128, bf16), 
      32K and 128K context, batch 1..48, with the chunk-cache hit rate of drifting queries;
   4. prefill compression of one layer against the dense prefill of that layer (32K, 128K), and
      eigh-vs-SVD agreement of the reconstructed keys.
+Segments are made by the engine's compression (compress_layer) from random keys and values, in a
+compressed pool inside a one-layer dense pool of their own (mem_cache/compressed_pool.py).
 Prints one table per part; writes JSON to $OUT/bench_kernels.json (or --out).
 
     python benchmarks/bench_kernels.py            # on the GPU
-    python benchmarks/bench_kernels.py --smoke    # tiny sizes, any device (checks the script runs)
+    python benchmarks/bench_kernels.py --smoke    # tiny sizes, any device (checks the script runs; on a
+                                                  # CPU torch references stand in for the decode kernels)
 """
 
 from __future__ import annotations
@@ -26,16 +29,21 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sglang_shadowkv.kernels.gather_values import gather_values
-from sglang_shadowkv.kernels.ragged_paged_attention import ragged_paged_attention
-from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys
-from sglang_shadowkv.layers.rotary import RotaryEmbedding
-from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool
-from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
-from sglang_shadowkv.shadowkv.compress import compress_layer, low_rank_basis
-from sglang_shadowkv.shadowkv.config import ShadowKVConfig
-from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
-from sglang_shadowkv.shadowkv.request_state import segment_layout
+if not torch.cuda.is_available():  # --smoke on a CPU: the Triton kernels timed there run under the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from sglang_shadowkv.kernels.gather_values import gather_values, gather_values_reference  # noqa: E402
+from sglang_shadowkv.kernels.ragged_paged_attention import (  # noqa: E402
+    ragged_paged_attention, ragged_paged_attention_reference)
+from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys, rebuild_keys_reference  # noqa: E402
+from sglang_shadowkv.layers.rotary import RotaryEmbedding  # noqa: E402
+from sglang_shadowkv.mem_cache.compressed_layout import segment_pages, slot_layout  # noqa: E402
+from sglang_shadowkv.mem_cache.compressed_pool import Segment, ShadowKVPool  # noqa: E402
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool  # noqa: E402
+from sglang_shadowkv.shadowkv.compress import compress_layer, low_rank_basis  # noqa: E402
+from sglang_shadowkv.shadowkv.config import ShadowKVConfig  # noqa: E402
+from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest  # noqa: E402
+from sglang_shadowkv.shadowkv.request_state import segment_layout  # noqa: E402
 
 HQ, HKV, D, CHUNK, RANK = 32, 8, 128, 8, 160
 CUDA = torch.cuda.is_available()
@@ -66,13 +74,40 @@ def timeit(fn, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def segment_store(num_segments: int, tokens: int, outliers: int) -> tuple[ShadowKVPool, list[Segment]]:
+    """A one-layer compressed pool inside a dense pool of its own, just big enough for num_segments
+    segments of `tokens` tokens (from position 0), allocated."""
+    n = tokens // CHUNK
+    layout = slot_layout(CHUNK, HKV, D, RANK, DT, DT, DT)
+    pages = num_segments * segment_pages(layout, n, outliers, RANK, CHUNK) + 2  # + page 0, the null page
+    store = ShadowKVPool(PagedKVPool(pages, CHUNK, 1, HKV, D, DT, DEV), RANK, num_segments * n, num_segments)
+    return store, [store.alloc_segment(0, tokens, outliers) for _ in range(num_segments)]
+
+
+def random_segments(num_segments: int, tokens: int, cfg: ShadowKVConfig, rotary: RotaryEmbedding,
+                    gen: torch.Generator) -> tuple[ShadowKVPool, list[Segment]]:
+    """segment_store's segments, each compressed as the engine does (compress_layer, cfg's rank and
+    outliers) from i.i.d. random keys and values."""
+    store, segs = segment_store(num_segments, tokens, cfg.num_outliers(tokens // CHUNK))
+    for seg in segs:
+        k, v = (torch.randn(tokens, HKV, D, dtype=DT, device=DEV, generator=gen) for _ in range(2))
+        compress_layer(store, seg, 0, k, v, rotary, cfg)
+    store.wait_host_writes()
+    return store, segs
+
+
 # ---- 1 + 2: gather bandwidth and rebuild overlap ---------------------------------------------------
 def bandwidth_and_overlap(num_slots: int, batch: int, entries: int) -> dict:
-    host = torch.randn(num_slots, HKV, CHUNK, D, dtype=DT).pin_memory() if CUDA else \
-        torch.randn(num_slots, HKV, CHUNK, D, dtype=DT)
+    """On a CPU the torch references stand in for the two kernels, as in the decoder (under the
+    interpreter one key rebuild of the smoke's jobs takes ~20 s)."""
+    rebuild_fn = rebuild_keys if CUDA else rebuild_keys_reference
+    rotary = RotaryEmbedding(D, 500000.0, num_slots * CHUNK).to(DEV)
+    store, (seg,) = random_segments(1, num_slots * CHUNK, ShadowKVConfig(rank=RANK), rotary,
+                                    torch.Generator(device=DEV).manual_seed(0))
+    host = store.host_v[0]  # pinned on a GPU
     gen = torch.Generator().manual_seed(0)
-    jobs = torch.stack([torch.randperm(num_slots - 1, generator=gen)[:entries] + 1
-                        for _ in range(batch * HKV)]).view(batch, HKV, entries).to(DEV)
+    jobs = torch.stack([seg.chunk_slots[torch.randperm(num_slots, generator=gen)[:entries].to(DEV)]
+                        for _ in range(batch * HKV)]).view(batch, HKV, entries)
     rows = torch.arange(batch, dtype=torch.int32, device=DEV)
     scratch_v = torch.empty(batch, HKV, entries, CHUNK, D, dtype=DT, device=DEV)
     moved = jobs.numel() * CHUNK * D * host.element_size()
@@ -80,16 +115,11 @@ def bandwidth_and_overlap(num_slots: int, batch: int, entries: int) -> dict:
     src = host.view(-1)[:dst.numel()]
     t_copy = timeit(lambda: dst.copy_(src, non_blocking=True))
     # key rebuild of the same jobs, alone and concurrent with the gather on a second stream
-    a_rows = torch.randn(num_slots * CHUNK, RANK, dtype=DT, device=DEV)
-    basis = torch.randn(1, RANK, HKV * D, dtype=DT, device=DEV) / RANK ** 0.5
-    rotary = RotaryEmbedding(D, 500000.0, num_slots * CHUNK).to(DEV)
-    chunk_pos = (torch.arange(num_slots, device=DEV) * CHUNK).int()
-    chunk_basis = torch.zeros(num_slots, dtype=torch.int32, device=DEV)
     scratch_k = torch.empty_like(scratch_v)
 
     def rebuild():
-        rebuild_keys(a_rows, basis, rotary.cos_cache, rotary.sin_cache, chunk_pos, chunk_basis, jobs,
-                     scratch_k, rows, CHUNK)
+        rebuild_fn(store.a_lo[0], store.a_hi[0], *store.basis_memory(0), rotary.cos_cache, rotary.sin_cache,
+                     store.chunk_pos, store.chunk_basis, jobs, scratch_k, rows, store.basis_rank[0])
 
     t_rebuild = timeit(rebuild)
     side = torch.cuda.Stream() if CUDA else None
@@ -97,7 +127,10 @@ def bandwidth_and_overlap(num_slots: int, batch: int, entries: int) -> dict:
     grids = []
     for programs in (sms // 2, sms, 2 * sms, 4 * sms, 16 * sms):
         def gather():
-            gather_values(host, jobs, scratch_v, rows, programs=programs)
+            if CUDA:
+                gather_values(host, store.host_slot, jobs, scratch_v, rows, programs=programs)
+            else:
+                gather_values_reference(host, store.host_slot, jobs, scratch_v, rows)
 
         def both():
             if side is None:
@@ -116,8 +149,8 @@ def bandwidth_and_overlap(num_slots: int, batch: int, entries: int) -> dict:
                       "both_two_streams_ms": t_both * 1e3,
                       "rebuild_hidden_fraction": max(0.0, min(1.0, (t_rebuild + t_gather - t_both) / t_rebuild))})
     scratch_v.fill_(0)
-    gather_values(host, jobs, scratch_v, rows)
-    ok = torch.equal(scratch_v[1, 3, 5].cpu(), host[jobs[1, 3, 5].item(), 3])
+    (gather_values if CUDA else gather_values_reference)(host, store.host_slot, jobs, scratch_v, rows)
+    ok = torch.equal(scratch_v[1, 3, 5].cpu(), host[store.host_slot[jobs[1, 3, 5]].item(), 3])
     best = grids[2]  # the default grid: two programs per SM
     return {"chunks_moved": jobs.numel(), "bytes": moved, "pinned_h2d_copy_GBps": moved / t_copy / 1e9,
             "rebuild_ms": t_rebuild * 1e3, "gather_correct": ok, **best, "by_grid": grids}
@@ -125,7 +158,8 @@ def bandwidth_and_overlap(num_slots: int, batch: int, entries: int) -> dict:
 
 # ---- 3: one decode layer -----------------------------------------------------------------------------
 def full_attention_fn(batch: int, context: int, kv_pool: PagedKVPool, q: torch.Tensor):
-    """Full attention over `context` cached tokens per request (FlashInfer if present)."""
+    """Full attention over `context` cached tokens per request (FlashInfer if present, else the Triton
+    kernel; on a CPU its torch reference)."""
     pages_per_req = context // kv_pool.page_size
     page_ids = torch.arange(1, 1 + batch * pages_per_req, dtype=torch.int32, device=DEV)
     try:
@@ -143,8 +177,10 @@ def full_attention_fn(batch: int, context: int, kv_pool: PagedKVPool, q: torch.T
         slots = (page_ids.long()[:, None] * kv_pool.page_size + torch.arange(kv_pool.page_size, device=DEV)).flatten().int()
         q_indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
         kv_indptr = q_indptr * context
-        return "triton", lambda: ragged_paged_attention(q, kv_pool.k_buffers[0], kv_pool.v_buffers[0], q_indptr,
-                                                        kv_indptr, slots, D ** -0.5, max_q_len=1)
+        args = (q, kv_pool.k_buffers[0], kv_pool.v_buffers[0], q_indptr, kv_indptr, slots, D ** -0.5)
+        if not CUDA:  # --smoke: the torch reference (under the interpreter the kernel takes seconds a call)
+            return "torch", lambda: ragged_paged_attention_reference(*args)
+        return "triton", lambda: ragged_paged_attention(*args, max_q_len=1)
 
 
 def decode_layer(context: int, batches: list[int], steps: int, window: int) -> list[dict]:
@@ -152,25 +188,10 @@ def decode_layer(context: int, batches: list[int], steps: int, window: int) -> l
     cfg = ShadowKVConfig(rank=RANK, outliers=48, budget=min(1.0, 256 / (context // CHUNK)), min_budget_chunks=1,
                          max_requests=max_b)
     n = context // CHUNK
-    store = ShadowKVPool(max_b * n, max_b, cfg.outliers, CHUNK, 1, HKV, D, RANK, DT, DEV)
     gen = torch.Generator(device=DEV).manual_seed(0)
-    store.a_rows[0].normal_(generator=gen)
-    store.basis[0].normal_(generator=gen).mul_(RANK ** -0.5)
-    store.landmarks[0].normal_(generator=gen)
-    store.outlier_k[0].normal_(generator=gen)
-    store.outlier_v[0].normal_(generator=gen)
-    for part in store.host_v[0].split(max(1, store.host_v[0].shape[0] // 16)):
-        part.copy_(torch.randn(part.shape, dtype=DT, device=DEV, generator=gen))
     rotary = RotaryEmbedding(D, 500000.0, context + window + steps + 8).to(DEV)
+    store, segs = random_segments(max_b, context, cfg, rotary, gen)
     decoder = SparseDecoder(store, cfg, rotary, max_b, n, CUDA)
-    segs = []
-    for _ in range(max_b):
-        seg = store.alloc_segment(0, context, cfg.num_outliers(n))
-        sel = torch.ones(n, HKV, dtype=torch.int8, device=DEV)
-        sel[torch.randperm(n, device=DEV)[:cfg.outliers - 1]] = 0
-        sel[0] = 0
-        store.selectable[0][seg.chunk_slots] = sel
-        segs.append(seg)
     # dense pool: the full KV of every request (the full-attention baseline) + each one's window
     kv_pool = PagedKVPool(max_b * (context + window) // CHUNK + 2, CHUNK, 1, HKV, D, DT, DEV)
     for buf in (kv_pool.k_buffers[0], kv_pool.v_buffers[0]):
@@ -271,9 +292,7 @@ def compression_cost(context: int) -> dict:
     runs on a side stream, overlapping the next layer) and time until that copy is done too, the
     pieces' times, and each method's key reconstruction error against the SVD's (the optimum)."""
     cfg = ShadowKVConfig(rank=RANK, outliers=48)
-    n = context // CHUNK
-    store = ShadowKVPool(n, 1, cfg.outliers, CHUNK, 1, HKV, D, RANK, DT, DEV)
-    seg = store.alloc_segment(0, context, cfg.num_outliers(n))
+    store, (seg,) = segment_store(1, context, cfg.num_outliers(context // CHUNK))
     rotary = RotaryEmbedding(D, 500000.0, context).to(DEV)
     gen = torch.Generator(device=DEV).manual_seed(1)
     spectrum = torch.arange(1, HKV * D + 1, device=DEV) ** -0.75  # keys' singular values decay slowly

@@ -14,14 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.corpus import document  # noqa: E402
-from sglang_shadowkv import Engine  # noqa: E402
-from sglang_shadowkv.sampling_params import SamplingParams  # noqa: E402
+from sglang_shadowkv import Engine
+from sglang_shadowkv.sampling_params import SamplingParams
+from sglang_shadowkv.testing.corpus import document
 
 
 def run(engine: Engine, doc: list[int], questions: list[list[int]], new_tokens: int) -> list[dict]:
@@ -76,7 +73,8 @@ def main() -> None:
                   attention_backend=args.attention_backend, chunked_prefill_size=8192,
                   max_running_requests=args.num_requests,
                   max_total_tokens=(args.num_requests + 2) * (args.doc_tokens + 256))
-    shadow = Engine(attention="shadowkv", shadowkv_min_context=args.shadowkv_min_context,
+    shadow = Engine(attention="shadowkv", shadowkv_compress_policy="eager",  # the document fits dense: force it
+                    shadowkv_min_context=args.shadowkv_min_context,
                     shadowkv_host_tokens=args.shadowkv_host_tokens,
                     shadowkv_max_requests=args.num_requests, **common)
     runner = shadow.scheduler.runner

@@ -32,7 +32,8 @@ against the PCIe copy rate, and DESIGN.md's equivalent bandwidth from the measur
 
     python benchmarks/bench_throughput.py --tokenizer-path TOKENIZER_DIR          # the H100
     python benchmarks/bench_throughput.py --tokenizer-path T --contexts 124928 --shared-context 124928
-    python benchmarks/bench_throughput.py --contexts 4096 --batches 1 2 --steps 2  # quick; also CPU
+    python benchmarks/bench_throughput.py --model-path random:smollm2-135m --contexts 4096 --batches 1 2 --steps 2
+                                                            # quick, any device (the CPU too)
 
 Writes $OUT/bench_throughput.json (or --out); prints a table last.
 """
@@ -48,7 +49,6 @@ import math
 import multiprocessing
 import os
 import re
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -56,14 +56,15 @@ from concurrent.futures.process import BrokenProcessPool
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from sglang_shadowkv.mem_cache.compressed_layout import segment_pages, slot_layout
 from sglang_shadowkv.model_executor.forward_batch import StepItem
-from sglang_shadowkv.model_executor.model_runner import ModelRunner  # noqa: E402
-from sglang_shadowkv.models.loader import load_model  # noqa: E402
-from sglang_shadowkv.server_args import ServerArgs  # noqa: E402
-from sglang_shadowkv.shadowkv.compress import compress_layer  # noqa: E402
-from sglang_shadowkv.shadowkv.request_state import ShadowKVReqState, segment_layout  # noqa: E402
+from sglang_shadowkv.model_executor.model_runner import ModelRunner
+from sglang_shadowkv.models.loader import load_model
+from sglang_shadowkv.server_args import ServerArgs
+from sglang_shadowkv.shadowkv.compress import compress_layer
+from sglang_shadowkv.shadowkv.config import ShadowKVConfig
+from sglang_shadowkv.shadowkv.request_state import ShadowKVReqState, segment_layout
+from sglang_shadowkv.testing.summaries import chosen_settings
 
 GiB = 1 << 30
 CUDA = torch.cuda.is_available()
@@ -146,9 +147,12 @@ def runner_args(loaded, attention: str, backend: str, batch: int, pool_tokens: i
                       max_total_tokens=pool_tokens, max_running_requests=batch, disable_cuda_graph=True, **extra)
 
 
-def give_pages(runner: ModelRunner, row: int, start: int, tokens: int) -> None:
+def give_pages(runner: ModelRunner, row: int, start: int, tokens: int) -> torch.Tensor:
+    """Pages for tokens start..start+tokens-1 of a request row; returns their slots."""
     pages = runner.pool.alloc(math.ceil(tokens / runner.pool.page_size))
-    runner.req_to_token.write(row, start, runner.pool.slots_of_pages(pages, tokens))
+    slots = runner.pool.slots_of_pages(pages, tokens)
+    runner.req_to_token.write(row, start, slots)
+    return slots
 
 
 def full_requests(loaded, backend: str, batch: int, context: int, gen, shared: bool = False):
@@ -186,24 +190,38 @@ def compressed_segment(runner: ModelRunner, loaded, span: int, keys: str, gen):
     return seg
 
 
+def segment_pages_needed(cfg: ShadowKVConfig, loaded, span: int) -> int:
+    """Pages of the dense pool that a compressed segment of `span` tokens takes (its slot, outlier
+    and basis pages: mem_cache/compressed_layout.py)."""
+    mcfg, dtype = loaded.config, loaded.model.lm_head.weight.dtype
+    max_rank, n = cfg.max_rank(mcfg.kv_dim), span // cfg.chunk_size
+    layout = slot_layout(cfg.chunk_size, mcfg.num_kv_heads, mcfg.head_dim, max_rank, dtype,
+                         cfg.landmark_torch_dtype or dtype, cfg.host_value_torch_dtype or dtype)
+    return segment_pages(layout, n, cfg.num_outliers(n), max_rank, cfg.chunk_size)
+
+
 def shadowkv_requests(loaded, backend: str, batch: int, context: int, keys: str, gen, shared: bool = False,
-                      storage: str = "auto"):
-    """`batch` requests, each a compressed segment plus a dense window; shared: one segment for all.
-    storage: the dtype of host values and landmarks (shadowkv_value_dtype, shadowkv_landmark_dtype)."""
-    window = 256
-    runner = ModelRunner(runner_args(loaded, "shadowkv", backend, batch, batch * window + 64, shadowkv_max_requests=batch,
-                                     shadowkv_host_tokens=(1 if shared else batch) * context,
-                                     shadowkv_min_context=1024, shadowkv_value_dtype=storage,
-                                     shadowkv_landmark_dtype=storage), loaded)
-    cfg = runner.shadowkv_config
-    fill_normal(runner.pool.k_buffers + runner.pool.v_buffers, gen)
-    span = cfg.compressed_len(context, runner.pool.page_size)
+                      storage: str = "model"):
+    """`batch` requests, each a compressed segment plus a dense window of random KV; shared: one
+    segment for all. storage: the dtype of host values and landmarks (shadowkv_value_dtype,
+    shadowkv_landmark_dtype). The dense pool holds the windows and the segments' pages, no more."""
+    window, segments = 256, 1 if shared else batch
+    args = runner_args(loaded, "shadowkv", backend, batch, batch * window + 64, shadowkv_max_requests=batch,
+                       shadowkv_host_tokens=segments * context, shadowkv_min_context=1024,
+                       shadowkv_value_dtype=storage, shadowkv_landmark_dtype=storage)
+    cfg = args.shadowkv.resolve_storage(CUDA)
+    span = cfg.compressed_len(context, args.page_size)
+    args.max_total_tokens += segments * segment_pages_needed(cfg, loaded, span) * args.page_size
+    runner = ModelRunner(args, loaded)
     seg = compressed_segment(runner, loaded, span, keys, gen) if shared else None
     items = []
     for _ in range(batch):
         own = seg or compressed_segment(runner, loaded, span, keys, gen)
         row = runner.req_to_token.alloc()
-        give_pages(runner, row, span, context - span)
+        slots = give_pages(runner, row, span, context - span).to(DEV)
+        kv_shape = (2, slots.numel(), runner.config.num_kv_heads, runner.config.head_dim)
+        for layer in range(runner.config.num_layers):  # only the window: other pages hold compressed state
+            runner.pool.set_kv(layer, slots, *torch.randn(kv_shape, dtype=runner.dtype, device=DEV, generator=gen))
         state = ShadowKVReqState(runner.decoder.alloc_row(), layout=segment_layout(own, cfg.chunk_size))
         items.append(StepItem(row, [0], context - 1, state))
     runner.compressed_pool.wait_host_writes()
@@ -386,7 +404,7 @@ def in_fresh_process(fn, *args):
 
 
 def variant_name(workload: str, storage: str) -> str:
-    return f"{workload}/{'bf16' if storage == 'auto' else storage}"
+    return f"{workload}/{'bf16' if storage == 'model' else storage}"
 
 
 def load(args):
@@ -424,7 +442,7 @@ def measure_full(args, context: int) -> dict:
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.kv_dim * elem
     full_batch = int(free // (context * kv_bytes_per_token))
     out = {"rows": [], "breakdown": {}, "best": 0.0, "free_bytes": free,
-           "host_bytes_per_token": {"auto": cfg.num_layers * cfg.kv_dim * elem, "int8": cfg.num_layers * cfg.kv_dim}}
+           "host_bytes_per_token": {"model": cfg.num_layers * cfg.kv_dim * elem, "int8": cfg.num_layers * cfg.kv_dim}}
     for batch in sorted({1, full_batch} | {b for b in args.batches if b <= full_batch}) if full_batch >= 1 else []:
         runner, items = full_requests(loaded, full_backend(args), batch, context, gen)
         rate = best_rate(runner, items, args.steps)
@@ -476,14 +494,6 @@ def measure_shadowkv(args, context: int, workload: str, ratio: float, storage: s
     return {"rows": rows, "breakdown": bd}
 
 
-def chosen_settings(bd: dict) -> str:
-    """What ShadowKV's data-driven defaults chose on a workload (a breakdown's ranks and budget)."""
-    ranks, budget = bd["ranks"], bd["budget"]
-    return (f"ranks {min(ranks)}..{max(ranks)} (mean {sum(ranks) / len(ranks):.0f}), chunks per KV head and step "
-            f"{budget['mean_chunks']:.1f} (p99 up to {max(budget['p99_chunks_per_layer'])}, cap {budget['max_chunks']}), "
-            f"hit rate {bd['chunk_cache_hit_rate']:.2f}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="random:llama-3.1-8b", help="a random:* preset (random weights)")
@@ -492,8 +502,8 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 12, 16, 24, 32, 48])
     ap.add_argument("--host-gib", type=float, default=64.0, help="page-locked host memory for ShadowKV values (exact size)")
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per measurement")
-    ap.add_argument("--storage", nargs="+", default=["auto", "int8"], choices=["auto", "int8"],
-                    help="ShadowKV dtypes of host values and landmarks to run (auto: bf16; int8 halves host "
+    ap.add_argument("--storage", nargs="+", default=["model", "int8"], choices=["model", "int8"],
+                    help="ShadowKV dtypes of host values and landmarks to run (model: bf16; int8 halves host "
                          "memory, PCIe bytes, landmark memory and the bytes scoring reads)")
     ap.add_argument("--full-backend", default=None, help="flashinfer (default if importable) or triton")
     ap.add_argument("--shared-context", type=int, default=None,

@@ -22,27 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.corpus import document  # noqa: E402
-from benchmarks.engine_flags import add_engine_flags, engine_kwargs, engine_overrides  # noqa: E402
-from sglang_shadowkv import Engine  # noqa: E402
-from sglang_shadowkv.sampling_params import SamplingParams  # noqa: E402
-from sglang_shadowkv.shadowkv.config import ShadowKVConfig  # noqa: E402
-from sglang_shadowkv.shadowkv.selection_report import format_report, summarize  # noqa: E402
-
-QUESTION = "\n\nIn two sentences, what is the text above about?"
-
-
-def chat_prompt(engine: Engine, tokens: int, seed: int) -> list[int]:
-    doc = engine.tokenizer.decode(document(engine.tokenizer, tokens, seed))
-    text = engine.apply_chat_template([{"role": "user", "content": doc + QUESTION}])
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+from sglang_shadowkv import Engine
+from sglang_shadowkv.sampling_params import SamplingParams
+from sglang_shadowkv.shadowkv.config import ShadowKVConfig
+from sglang_shadowkv.shadowkv.selection_report import format_report, summarize
+from sglang_shadowkv.testing.engine_flags import add_engine_flags, engine_kwargs, engine_overrides
+from sglang_shadowkv.testing.prompts import chat_prompt
 
 
 def forced_predictions(engine: Engine, ids: list[int], forced: list[int], sampling: dict) -> list[int]:

@@ -1,11 +1,11 @@
 """Many similar facts in one long memo: full attention against ShadowKV on the same prompts.
 
-A memo (the NIAH haystack of benchmarks/haystack.py) holds twelve facts of one shape, "The access
-code for the <word> room is <4 digits>.", evenly spread; one chat question per fact, answered
-greedily with the answer primed ("The access code for the <word> room is"). The questions share
-the memo, so the radix cache holds it once per engine (ShadowKV: compressed once, every question
-decodes sparsely over it). This is the task that showed ShadowKV changing answers at its old
-defaults (issue 16): a look-alike fact is one wrong chunk away. (With stdlib prose around the
+A memo (the NIAH haystack of sglang_shadowkv/testing/haystack.py) holds twelve facts of one shape,
+"The access code for the <word> room is <4 digits>.", evenly spread; one chat question per fact,
+answered greedily with the answer primed ("The access code for the <word> room is"). The questions
+share the memo, so the radix cache holds it once per engine (ShadowKV: compressed once, every
+question decodes sparsely over it). This is the task that showed ShadowKV changing answers at its
+old defaults (issue 16): a look-alike fact is one wrong chunk away. (With stdlib prose around the
 facts instead, the embedded model itself answers 2 of 12; with this filler, 5.)
 
     python benchmarks/memo_retrieval.py                        # CPU, embedded SmolLM2, 5.2K-token memo
@@ -17,24 +17,11 @@ Writes JSON (answers of both methods, how many are right, how many agree); print
 from __future__ import annotations
 
 import argparse
-import os
-import random
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.engine_flags import add_engine_flags, engine_kwargs, engine_overrides, save_result  # noqa: E402
-from benchmarks.haystack import INTRO, WORDS, Needle, chat_turn, haystack, make_needle  # noqa: E402
-from sglang_shadowkv import Engine  # noqa: E402
-
-
-def memo_prompts(engine: Engine, memo_tokens: int, facts: int, seed: int) -> tuple[list[list[int]], list[Needle]]:
-    """One prompt per fact: the same memo of about memo_tokens tokens, then that fact's question."""
-    rng = random.Random(f"memo/{seed}")
-    needles = [make_needle("code", rng, word) for word in rng.sample(WORDS, facts)]
-    memo = haystack(engine.tokenizer, memo_tokens, [((i + 0.5) / facts, n) for i, n in enumerate(needles)])
-    return [chat_turn(engine, [{"role": "user", "content": f"{INTRO}\n\n{memo}\n\n{n.question}"}], n.answer_prefix)
-            for n in needles], needles
+from sglang_shadowkv import Engine
+from sglang_shadowkv.testing.engine_flags import add_engine_flags, engine_kwargs, engine_overrides, save_result
+from sglang_shadowkv.testing.haystack import WORDS, Needle
+from sglang_shadowkv.testing.prompts import memo_prompts
 
 
 def answer_all(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:

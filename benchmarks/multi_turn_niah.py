@@ -15,29 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import sys
 
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.engine_flags import add_engine_flags, engine_kwargs, engine_overrides  # noqa: E402
-from benchmarks.haystack import INTRO, WORDS, chat_turn, haystack, make_needle  # noqa: E402
-from sglang_shadowkv import Engine  # noqa: E402
+from sglang_shadowkv import Engine
+from sglang_shadowkv.testing.engine_flags import add_engine_flags, engine_kwargs, engine_overrides
+from sglang_shadowkv.testing.haystack import INTRO, WORDS, chat_turn
+from sglang_shadowkv.testing.prompts import make_chat
 
 METHODS = ("full", "shadowkv", "streamingllm", "snapkv")
-
-
-def make_chat(tokenizer, doc_tokens: int, turns: int, seed: int) -> dict:
-    """Needles at evenly spaced depths, asked in a random order (turn 1 is not always the shallowest)."""
-    rng = random.Random(f"multi-turn/{seed}")
-    needles = [make_needle("kv", rng, word) for word in rng.sample(WORDS, turns)]
-    depths = [(i + 0.5) / turns for i in range(turns)]
-    order = list(range(turns))
-    rng.shuffle(order)
-    return {"seed": seed, "doc": haystack(tokenizer, doc_tokens, list(zip(depths, needles))),
-            "asked": [(depths[i], needles[i]) for i in order]}
 
 
 def counters(engine: Engine) -> dict:

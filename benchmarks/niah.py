@@ -1,9 +1,9 @@
 """Needle In A Haystack through the engine: ShadowKV against full attention on the same prompts.
 
-A grid of context lengths x needle depths x needle forms (benchmarks/haystack.py: synthetic
-filler, random needle values, no download). Every prompt runs through one Engine per method (the
-same engine build, the cache flushed between prompts so each prompt stands alone); a prompt counts
-as retrieved when the needle's value appears in the greedy answer.
+A grid of context lengths x needle depths x needle forms (sglang_shadowkv/testing/haystack.py:
+synthetic filler, random needle values, no download). Every prompt runs through one Engine per
+method (the same engine build, the cache flushed between prompts so each prompt stands alone); a
+prompt counts as retrieved when the needle's value appears in the greedy answer.
 
     python benchmarks/niah.py                    # CPU, embedded SmolLM2: 1K..7.5K x 5 depths x 3 forms
     python benchmarks/niah.py --methods full shadowkv snapkv --lengths 2048 4096 --shadowkv-rank 64
@@ -18,17 +18,14 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.engine_flags import add_engine_flags, engine_kwargs, engine_overrides  # noqa: E402
-from benchmarks.haystack import FORMS, grid_needles, niah_prompt  # noqa: E402
-from sglang_shadowkv import Engine  # noqa: E402
-from sglang_shadowkv.server_args import ATTENTION_MODES  # noqa: E402
+from sglang_shadowkv import Engine
+from sglang_shadowkv.server_args import ATTENTION_MODES
+from sglang_shadowkv.testing.engine_flags import add_engine_flags, engine_kwargs, engine_overrides
+from sglang_shadowkv.testing.haystack import FORMS, grid_needles, niah_prompt
 
 
 def build_prompts(engine: Engine, args) -> list[dict]:

@@ -20,19 +20,15 @@ import argparse
 import json
 import os
 import random
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.fidelity import chat_prompt  # noqa: E402
-from benchmarks.haystack import grid_needles, niah_prompt  # noqa: E402
-from benchmarks.memo_retrieval import memo_prompts  # noqa: E402
-from sglang_shadowkv import Engine  # noqa: E402
+from sglang_shadowkv import Engine
+from sglang_shadowkv.testing.haystack import grid_needles, niah_prompt
+from sglang_shadowkv.testing.prompts import chat_prompt, memo_prompts
 
 SWEEPS = {  # setting name -> ShadowKVConfig fields over the defaults
     "rank": {"rank 30 (old default)": {"rank": 30}, **{f"energy {e}": {"rank_energy": e, "rank_cap": 192}
-                                                         for e in (0.95, 0.98, 0.99, 0.995, 0.999)},
-             "energy 0.999, cap 160 (default)": {}, "rank 192 (exact keys)": {"rank": 192}},
+                                                         for e in (0.95, 0.98, 0.99, 0.995, 0.999, 0.9999)},
+             "energy 0.9999, cap 160 (default)": {}, "rank 192 (exact keys)": {"rank": 192}},
     "budget": {**{f"top-p {p}, cap {m}": {"top_p": p, "max_budget": m} for p in (0.8, 0.9, 0.95, 0.98, 0.99)
                   for m in (256, 512)},
                **{f"fixed {k} chunks": {"budget": 1e-4, "min_budget_chunks": k} for k in (32, 64, 128, 256)}},

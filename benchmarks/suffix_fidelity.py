@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.engine_flags import add_engine_flags, engine_kwargs, engine_overrides, save_result  # noqa: E402
-from benchmarks.memo_retrieval import memo_prompts  # noqa: E402
-from sglang_shadowkv import Engine  # noqa: E402
+from sglang_shadowkv import Engine
+from sglang_shadowkv.testing.engine_flags import add_engine_flags, engine_kwargs, engine_overrides, save_result
+from sglang_shadowkv.testing.prompts import memo_prompts
 
 PATHS = {"sparse": {}, "exact": {"shadowkv_sparse_prefill_max": 0}}
 

@@ -15,7 +15,7 @@ def engine():
     """The embedded model with dense attention, shared by the CPU end-to-end tests."""
     from sglang_shadowkv import Engine
 
-    eng = Engine(max_total_tokens=16384, chunked_prefill_size=512)
+    eng = Engine(max_total_tokens=16384, chunked_prefill_size=512, check_integrity=True)
     yield eng
     eng.shutdown()
 
@@ -33,7 +33,7 @@ def hf_model(engine):
 def assert_pool_clean(engine) -> None:
     """Every page (and ShadowKV segment, host slot, scratch row) is either free or held by the radix
     tree: nothing leaked to dead requests."""
-    from benchmarks.live_server import pool_leaks
+    from sglang_shadowkv.testing.live_server import pool_leaks
 
     info = engine.get_server_info()
     mem = info["memory"]
@@ -52,11 +52,12 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def server():
-    """The embedded model behind HTTP at default flags (CPU-sized pools), shared by the server and
-    SGLang-compatibility tests: each checks what it changed, never absolute counters."""
-    from benchmarks.live_server import servers
+    """The embedded model behind HTTP at default flags (CPU-sized pools; the pool accounting
+    checked whenever it goes idle), shared by the server and SGLang-compatibility tests: each
+    checks what it changed, never absolute counters."""
+    from sglang_shadowkv.testing.live_server import servers
 
-    with servers([]) as (url,):
+    with servers(["--check-integrity"]) as (url,):
         yield url
 
 
@@ -64,7 +65,8 @@ def server():
 def small_server():
     """The embedded model behind HTTP with metrics on and a 64-token context (room for the chat
     template), so that any request the server accepts ends within seconds (fuzzing, metrics)."""
-    from benchmarks.live_server import LiveServer
+    from sglang_shadowkv.testing.live_server import LiveServer
 
-    with LiveServer("--enable-metrics", "--context-length", "64", "--max-total-tokens", "4096") as live:
+    with LiveServer("--enable-metrics", "--context-length", "64", "--max-total-tokens", "4096",
+                    "--check-integrity") as live:
         yield live

@@ -46,6 +46,16 @@ def test_graph_batch_sizes_cover_every_batch():
     assert graph_batch_sizes(3) == [1, 2, 3] and graph_batch_sizes(1) == [1]
 
 
+def test_the_torch_backend_is_never_captured(dense_pair):
+    """The torch reference reads the batch's metadata on the host, which a CUDA graph capture
+    refuses: on a GPU its decode steps run eagerly (no graphs) instead of failing at startup."""
+    runner = dense_pair[0].scheduler.runner
+    assert runner.backend_name == "torch" and not runner.backend.capturable
+    before = runner.graphs
+    runner.init_decode_graphs(4, capture=True)
+    assert runner.graphs is before
+
+
 @pytest.fixture(scope="module")
 def dense_pair():
     from sglang_shadowkv import Engine
@@ -71,6 +81,23 @@ def test_full_attention_graph_steps_give_the_eager_tokens(dense_pair):
     # batches of 3 are padded to 4; 5 running requests exceed the largest size and run eagerly
     assert graphed.scheduler.runner.eager_steps > eager
     assert_pool_clean(graphed)
+
+
+def test_shadowkv_batches_without_a_compressed_prefix_replay_the_dense_graphs(dense_pair):
+    """With the tier policy short prompts stay dense: their decode steps replay the dense
+    backend's own graphs (full attention's step) and give full attention's tokens."""
+    from sglang_shadowkv import Engine
+
+    plain, _ = dense_pair
+    prompts = [plain.tokenizer.encode(p, add_special_tokens=False) for p in SHORT]
+    max_new = [9, 4, 12, 7, 10]
+    want = run_staggered(plain, prompts, max_new)
+    with Engine(attention="shadowkv", max_total_tokens=8192, chunked_prefill_size=256, max_running_requests=8,
+                check_integrity=True) as tier:
+        graphs = with_static_decode(tier, 4)
+        assert run_staggered(tier, prompts, max_new) == want
+        assert graphs.replays > 10 and set(graphs.replays_by_variant) == {"('dense', None)"}
+        assert_pool_clean(tier)
 
 
 def test_padding_entries_touch_only_the_reserved_page(dense_pair):

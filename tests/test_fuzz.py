@@ -14,7 +14,7 @@ import json
 import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from benchmarks.live_server import assert_no_pages_held
+from sglang_shadowkv.testing.live_server import assert_no_pages_held
 
 from sglang_shadowkv.entrypoints.request_fields import (CHAT_FIELDS, COMPLETION_FIELDS, GENERATE_FIELDS,
                                                         OPENAI_SAMPLING)

@@ -1,10 +1,10 @@
-"""The NIAH prompt builder of benchmarks/: needles land at their depth, prompts have their size."""
+"""The NIAH prompt builder of sglang_shadowkv.testing: needles land at their depth, prompts have their size."""
 
 import random
 
 import pytest
 
-from benchmarks.haystack import INTRO, MULTI_NEEDLES, NEEDLE_FORMS, grid_needles, haystack, make_needle, niah_prompt
+from sglang_shadowkv.testing.haystack import INTRO, MULTI_NEEDLES, NEEDLE_FORMS, grid_needles, haystack, make_needle, niah_prompt
 
 
 @pytest.mark.parametrize("form", NEEDLE_FORMS)

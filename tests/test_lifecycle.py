@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 import zmq
-from benchmarks.live_server import LiveServer, wait_until
+from sglang_shadowkv.testing.live_server import LiveServer, wait_until
 
 from sglang_shadowkv.engine import Engine, EngineShutDown
 from sglang_shadowkv.entrypoints.launcher import EXIT_PROCESS_DIED, EXIT_STOPPED

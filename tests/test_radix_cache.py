@@ -137,17 +137,19 @@ def test_lru_evicts_oldest_first():
 
 
 # ---- compressed entries: ChunkRefs of ShadowKV segments beside dense pages ------------------------
-def make_mixed(num_pages=40, num_chunks=40):
+def make_mixed(num_pages=60, host_chunks=40):
+    """Dense pages and compressed segments share one pool: a segment's state lives in pages."""
     import torch
 
     from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 
-    pool = PagedKVPool(num_pages, PAGE, 1, 1, 2, dtype=torch.float32, device="cpu")
-    store = ShadowKVPool(num_chunks, 16, 1, PAGE, 1, 1, 2, 2, torch.float32, "cpu")
+    pool = PagedKVPool(num_pages, PAGE, 1, 2, 8, dtype=torch.float32, device="cpu")
+    store = ShadowKVPool(pool, 2, host_chunks, 16)
 
     def release(entries):
-        pool.free([e for e in entries if isinstance(e, int)])
-        store.release_chunks([e for e in entries if not isinstance(e, int)])
+        dense = [e for e in entries if isinstance(e, int)]
+        pool.free(dense)
+        return len(dense) + store.release_chunks([e for e in entries if not isinstance(e, int)])
 
     return pool, store, RadixCache(PAGE, release), release
 
@@ -175,7 +177,7 @@ def test_every_page_and_chunk_is_owned_once(operations, compress_choices):
             if compress_choices[step] and whole > borrowed:  # compress the own whole pages
                 seg = store.alloc_segment(borrowed * PAGE, (whole - borrowed) * PAGE, 1)
                 if seg is None:
-                    tree.evict(0, whole - borrowed)
+                    tree.evict(store.pages_for(whole - borrowed, 1))
                     seg = store.alloc_segment(borrowed * PAGE, (whole - borrowed) * PAGE, 1)
                 if seg is not None:
                     refs = store.chunk_refs(seg)
@@ -194,7 +196,8 @@ def test_every_page_and_chunk_is_owned_once(operations, compress_choices):
         # invariants
         tree_entries = _tree_pages(tree)
         held = [e for r in running for e in r["entries"][r["borrowed"]:]]
-        pages = [e for e in tree_entries + held if isinstance(e, int)] + pool._free
+        segment_pages = [p for seg in store.live.values() for p in seg.pages]
+        pages = [e for e in tree_entries + held if isinstance(e, int)] + pool._free + segment_pages + [store.null_page]
         assert sorted(pages) == sorted(set(pages)) and len(pages) == pool.capacity
         counts: dict[int, int] = {}
         for e in tree_entries + held:
@@ -207,4 +210,4 @@ def test_every_page_and_chunk_is_owned_once(operations, compress_choices):
         tree.unlock(r["node"])
         release(r["entries"][r["borrowed"]:])
     assert tree.flush()
-    assert pool.num_free == pool.capacity and store.free_chunks == store.chunk_capacity and not store.live
+    assert pool.num_free == pool.capacity - 1 and store.free_chunks == store.chunk_capacity and not store.live

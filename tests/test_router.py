@@ -11,11 +11,12 @@ import time
 
 import httpx
 import pytest
-from benchmarks.live_server import free_port, generate, servers
+from sglang_shadowkv.testing.live_server import free_port, generate, servers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "frontend_shared_document.py"
-SHADOWKV = ["--attention", "shadowkv", "--shadowkv-min-context", "512"]
+# eager: the document is compressed at its first prefill, so routing is checked on compressed state
+SHADOWKV = ["--attention", "shadowkv", "--shadowkv-min-context", "512", "--shadowkv-compress-policy", "eager"]
 GREEDY = {"max_new_tokens": 3, "temperature": 0}
 
 

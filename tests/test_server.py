@@ -5,7 +5,7 @@ import asyncio
 
 import httpx
 import pytest
-from benchmarks.live_server import assert_no_pages_held, generate, sse_payloads
+from sglang_shadowkv.testing.live_server import assert_no_pages_held, generate, sse_payloads
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 

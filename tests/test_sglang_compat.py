@@ -12,7 +12,7 @@ import re
 import httpx
 import jsonschema
 import pytest
-from benchmarks.live_server import assert_no_pages_held, generate, sse_payloads
+from sglang_shadowkv.testing.live_server import assert_no_pages_held, generate, sse_payloads
 
 from sglang_shadowkv.entrypoints.request_fields import (CHAT_FIELDS, COMPLETION_FIELDS, GENERATE_FIELDS,
                                                         IGNORE, USE, Refused)

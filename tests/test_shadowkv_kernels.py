@@ -12,7 +12,9 @@ from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys, rebuild_keys_refe
 from sglang_shadowkv.kernels.rotary import rotate, rotate_reference
 from sglang_shadowkv.kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
+from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 from sglang_shadowkv.mem_cache.host_memory import PinnedHostTensor
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
 from sglang_shadowkv.shadowkv.chunk_cache import plan_chunk_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,51 +51,61 @@ def test_landmark_logits(group, head_dim, num_chunks, int8):
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
 
+def _pool_with_segments(gen, chunk_size, hkv, head_dim, rank, chunks=(5, 9, 3)):
+    """A compressed pool inside a dense pool (one layer) holding segments with random low-rank rows
+    and bases written through the pool (every column, past any rank too)."""
+    kv = PagedKVPool(64, chunk_size, 1, hkv, head_dim, torch.float32, DEVICE)
+    store = ShadowKVPool(kv, rank, host_chunks=100, max_segments=8)
+    segs, start = [], 0
+    for n in chunks:
+        seg = store.alloc_segment(start, n * chunk_size, 1)
+        store.chunk_pos[seg.chunk_slots] = torch.randint(0, 2048 - chunk_size, (n,), generator=gen).int().to(DEVICE)
+        store.write_lowrank(0, seg, torch.randn(n * chunk_size, rank, generator=gen).to(DEVICE))
+        store.write_basis(0, seg, (torch.randn(rank, hkv * head_dim, generator=gen) / rank ** 0.5).to(DEVICE))
+        segs.append(seg)
+        start += n * chunk_size
+    return store, segs
+
+
 @pytest.mark.parametrize("ranked", [False, True])
-@pytest.mark.parametrize("chunk_size,rank", [(8, 30), (8, 64), (4, 17), (16, 40)])
-def test_rebuild_keys(chunk_size, rank, ranked):
+@pytest.mark.parametrize("chunk_size,rank,hkv,head_dim", [(8, 30, 3, 32), (8, 64, 2, 32), (4, 17, 3, 32),
+                                                          (16, 40, 2, 64)])
+def test_rebuild_keys(chunk_size, rank, hkv, head_dim, ranked):
+    """Kernel against reference on the pool's own layout (low-rank rows split between a slot's K
+    and V shares, bases in pages), and the reference against RoPE of rows times basis."""
     gen = torch.Generator().manual_seed(chunk_size * 100 + rank)
-    batch, hkv, head_dim, entries, slots, bases = 3, 3, 32, 6, 40, 4
-    rotary = RotaryEmbedding(head_dim, 10000.0, 2048)
-    a_rows = torch.randn(slots * chunk_size, rank, generator=gen)
-    basis = torch.randn(bases, rank, hkv * head_dim, generator=gen) / rank ** 0.5
-    chunk_pos = torch.randint(0, 2048 - chunk_size, (slots,), generator=gen).int()
-    chunk_basis = torch.randint(0, bases, (slots,), generator=gen).int()
-    jobs = _jobs(gen, batch, hkv, entries, slots)
-    rows = torch.tensor([4, 0, 2], dtype=torch.int32)
-    scratch = torch.full((5, hkv, entries, chunk_size, head_dim), float("nan"))
-    # each basis its own rank (past it the pool holds garbage that must not be read), one over the width
-    basis_rank = torch.tensor([rank, 1, rank // 2 + 3, rank + 5], dtype=torch.int32).to(DEVICE) if ranked else None
-    args = [t.to(DEVICE) for t in (a_rows, basis, rotary.cos_cache, rotary.sin_cache, chunk_pos, chunk_basis, jobs)]
-    got = rebuild_keys(*args, scratch.clone().to(DEVICE), rows.to(DEVICE), chunk_size, basis_rank)
-    want = rebuild_keys_reference(*args, scratch.clone().to(DEVICE), rows.to(DEVICE), chunk_size, basis_rank)
+    store, segs = _pool_with_segments(gen, chunk_size, hkv, head_dim, rank)
+    rotary = RotaryEmbedding(head_dim, 10000.0, 2048).to(DEVICE)
+    slots = torch.cat([seg.chunk_slots for seg in segs]).cpu()
+    batch, entries = 3, 6
+    picks = torch.stack([slots[torch.randperm(len(slots), generator=gen)[:entries]] for _ in range(batch * hkv)])
+    jobs = torch.where(torch.rand(picks.shape, generator=gen) < 0.3, -1, picks).view(batch, hkv, entries).to(DEVICE)
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    scratch = torch.full((5, hkv, entries, chunk_size, head_dim), float("nan"), device=DEVICE)
+    # each segment its own rank (past it the pool holds values that must not be read), one over the width
+    ranks = [rank, 1, rank + 5]
+    basis_rank = None
+    if ranked:
+        basis_rank = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+        basis_rank[[seg.seg_id for seg in segs]] = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
+    args = (store.a_lo[0], store.a_hi[0], *store.basis_memory(0), rotary.cos_cache, rotary.sin_cache,
+            store.chunk_pos, store.chunk_basis, jobs)
+    got = rebuild_keys(*args, scratch.clone(), rows, basis_rank)
+    want = rebuild_keys_reference(*args, scratch.clone(), rows, basis_rank)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, equal_nan=True)
-    if ranked:  # the reference itself: a chunk of a rank-1 basis is RoPE of its first column's product
-        full = rebuild_keys_reference(*args, scratch.clone().to(DEVICE), rows.to(DEVICE), chunk_size)
-        differs = (full - want).abs().amax((-1, -2)) > 1e-4  # [rows, H, E]
-        slot_basis = chunk_basis[jobs.clamp(min=0).long()]
-        expect = (jobs >= 0) & (slot_basis != 0) & (slot_basis != 3)  # ranks below the width
-        for b, row in enumerate(rows.tolist()):
-            assert torch.equal(differs[row].cpu(), expect[b])
     written = ~want.isnan()
     assert written.any() and (~written).any()  # misses written, hits left alone
-
-
-def test_rebuild_keys_equals_rope_of_low_rank_product():
-    """The reference itself: rows·basis then the model's own RoPE at the chunk's positions."""
-    gen = torch.Generator().manual_seed(7)
-    c, r, hkv, d = 8, 12, 2, 32
-    rotary = RotaryEmbedding(d, 10000.0, 512)
-    a_rows, basis = torch.randn(3 * c, r, generator=gen), torch.randn(1, r, hkv * d, generator=gen)
-    chunk_pos = torch.tensor([0, 100, 257], dtype=torch.int32)
-    jobs = torch.tensor([[[2], [1]]])
-    scratch = torch.zeros(1, hkv, 1, c, d)
-    rebuild_keys_reference(a_rows, basis, rotary.cos_cache, rotary.sin_cache, chunk_pos,
-                           torch.zeros(3, dtype=torch.int32), jobs, scratch, torch.tensor([0]), c)
-    for h, slot in ((0, 2), (1, 1)):
-        pre = (a_rows[slot * c:(slot + 1) * c] @ basis[0]).view(c, hkv, d)
-        pos = torch.arange(int(chunk_pos[slot]), int(chunk_pos[slot]) + c)
-        torch.testing.assert_close(scratch[0, h, 0], rotary.apply(pre, pos)[:, h], rtol=1e-5, atol=1e-5)
+    k_pages, v_pages, basis_pages = store.basis_memory(0)
+    for b, h, e in (jobs >= 0).nonzero().tolist()[:6]:  # the reference itself, chunk by chunk
+        slot = int(jobs[b, h, e])
+        seg = next(s for s in segs if slot in s.chunk_slots.tolist())
+        r = min(ranks[segs.index(seg)], rank) if ranked else rank
+        low = torch.cat([store.a_lo[0][slot], store.a_hi[0][slot]], 1)[:, :r]
+        basis = torch.stack([k_pages[basis_pages[seg.seg_id].long()], v_pages[basis_pages[seg.seg_id].long()]],
+                            1).flatten(0, 2)[:r]
+        pre = (low @ basis).view(chunk_size, hkv, head_dim)
+        pos = torch.arange(int(store.chunk_pos[slot]), int(store.chunk_pos[slot]) + chunk_size, device=DEVICE)
+        torch.testing.assert_close(want[int(rows[b]), h, e], rotary.apply(pre, pos)[:, h], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -113,8 +125,9 @@ def test_gather_values(chunk_size, head_dim, int8):
     jobs = _jobs(gen, batch, hkv, entries, slots).to(DEVICE)
     rows = torch.tensor([1, 5, 0, 3], dtype=torch.int32, device=DEVICE)
     scratch = torch.full((6, hkv, entries, chunk_size, head_dim), float("nan"), device=DEVICE)
-    got = gather_values(host, jobs, scratch.clone(), rows, scale)
-    want = gather_values_reference(host, jobs, scratch.clone(), rows, scale)
+    host_slot = torch.randperm(slots, generator=gen).int().to(DEVICE)  # chunk slot -> host slot
+    got = gather_values(host, host_slot, jobs, scratch.clone(), rows, scale)
+    want = gather_values_reference(host, host_slot, jobs, scratch.clone(), rows, scale)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert want.isnan().any() and not want.isnan().all()
 

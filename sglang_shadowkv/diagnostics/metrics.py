@@ -129,25 +129,34 @@ class SchedulerStateCollector(Collector):
         gauge("sglang:token_usage", "The token usage.", used_tokens / total_tokens)
         gauge("sglang:cache_hit_rate", "The prefix cache hit rate (cached / all prompt tokens, since start).",
               stats["cached_tokens"] / looked_up if looked_up else 0.0)
+        counter("sglang_shadowkv:dense_prefix_hits", "Requests that found dense cached pages for their prompt.",
+                stats.get("dense_prefix_hits", 0))
+        counter("sglang_shadowkv:reprefilled_tokens", "Prompt tokens prefilled again after the cache dropped them.",
+                stats.get("reprefilled_tokens", 0))
         skv = info.get("shadowkv")
         if skv is not None:
-            pools = skv["pools"]
-            counter("shadowkv:compressed_tokens", "Prompt tokens compressed into ShadowKV segments.",
-                    skv["compressed_tokens"])
-            counter("shadowkv:compressions", "Segments compressed (prompts and grown chat tails).",
-                    skv["compressions"])
-            counter("shadowkv:compressed_prefix_hits", "Requests that reused a compressed cached prefix.",
-                    skv["compressed_prefix_hits"])
-            counter("shadowkv:compressed_tokens_reused", "Prompt tokens served from compressed cached prefixes.",
-                    skv["compressed_tokens_reused"])
+            pools, tiers, cache = skv["pools"], skv["tiers"], skv["chunk_cache"]
+            for name, doc in (("compressed_tokens", "Prompt tokens compressed into ShadowKV segments."),
+                              ("compressions", "Segments compressed (at prefill, or demoted from the dense tier)."),
+                              ("compressed_prefix_hits", "Requests that reused a compressed cached prefix."),
+                              ("compressed_tokens_reused", "Prompt tokens served from compressed cached prefixes."),
+                              ("demotions", "Dense cached spans demoted to compressed form instead of dropped."),
+                              ("demoted_tokens", "Tokens demoted from the dense tier to the compressed one.")):
+                counter(f"shadowkv:{name}", doc, skv.get(name, 0))
+            counter("shadowkv:chunk_cache_hits", "Selected chunks already in a request's scratch (since start).",
+                    cache["hits"])
+            counter("shadowkv:chunk_cache_lookups", "Chunks selected by sparse decode steps (since start).",
+                    cache["lookups"])
             gauge("shadowkv:chunk_cache_hit_rate",
                   "Share of selected chunks already gathered last step, over the running requests.",
                   skv["running_total"]["chunk_cache_hit_rate"])
+            gauge("shadowkv:dense_tier_bytes", "GPU bytes of dense KV pages in the radix cache.",
+                  tiers["dense_tree_bytes"])
             gauge("shadowkv:gpu_compressed_bytes", "GPU bytes of compressed state held by live segments.",
                   pools["segment_gpu_bytes"])
             gauge("shadowkv:host_compressed_bytes", "Host bytes of values held by live segments.",
                   pools["segment_host_bytes"])
             gauge("shadowkv:segments", "Live compressed segments.", pools["segments"])
-            gauge("shadowkv:chunk_slot_usage", "Share of the compressed pools' chunk slots in use.",
+            gauge("shadowkv:chunk_slot_usage", "Share of the host value pool's chunk slots in use.",
                   1 - pools["free_chunk_slots"] / pools["chunk_slots"])
         yield from families

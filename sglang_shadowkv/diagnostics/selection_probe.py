@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 
 from sglang_shadowkv.kernels.ragged_paged_attention import ragged_paged_attention_reference
+from sglang_shadowkv.mem_cache.compressed_layout import segment_pages, slot_layout
 from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
 from sglang_shadowkv.shadowkv.compress import compress_layer
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
@@ -71,9 +73,7 @@ def _one_config(runner: ModelRunner, row: int, slots: torch.Tensor, queries: dic
         raise ValueError(f"a {s}-token prompt leaves nothing to compress with shadowkv_min_context="
                          f"{cfg.min_context} and {nq} queries (shadowkv_local_window={cfg.local_window})")
     n = span // cfg.chunk_size
-    store = ShadowKVPool(n, 1, cfg.outliers, cfg.chunk_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                         cfg.max_rank(mc.kv_dim), runner.dtype, dev, cfg.host_value_torch_dtype,
-                         cfg.landmark_torch_dtype)
+    store = private_store(runner, cfg, n)
     decoder = SparseDecoder(store, cfg, model.rotary, 1, n, dev.type == "cuda")
     seg = store.alloc_segment(0, span, cfg.num_outliers(n))
     plan = decoder.plan_step(runner.req_to_token, [SparseRequest(row, decoder.alloc_row(),
@@ -86,9 +86,7 @@ def _one_config(runner: ModelRunner, row: int, slots: torch.Tensor, queries: dic
             compress_layer(store, seg, layer, k[:span], v[:span], model.rotary, cfg)
             outliers = (store.outlier_pos[layer][seg.outlier_blocks.long()] - seg.start) // cfg.chunk_size
             k_held, v_held = held_kv(decoder, seg, layer, plan.rows, k[:span], v[:span], outliers)
-            landmarks = store.landmarks[layer][seg.chunk_slots].float()
-            if store.landmark_scale is not None:
-                landmarks = landmarks * store.landmark_scale[layer][seg.chunk_slots][..., None]
+            landmarks = store.landmarks_of(layer, seg.chunk_slots)
             report = layer_report(queries[layer], positions, k, v, k_held, v_held, landmarks, outliers, cfg, rules)
             q_last = queries[layer][-1:]
             want = ragged_paged_attention_reference(
@@ -103,6 +101,16 @@ def _one_config(runner: ModelRunner, row: int, slots: torch.Tensor, queries: dic
             "compressed_tokens": span, "queries": nq, "ranks": list(seg.ranks), **saving, "layers": layers,
             "summary": summarize([{"layers": layers, "gpu_saving_vs_full": saving["gpu_saving_vs_full"],
                                    "gpu_saving_vs_full_with_bounds": saving["gpu_saving_vs_full_with_bounds"]}])}
+
+
+def private_store(runner: ModelRunner, cfg: ShadowKVConfig, num_chunks: int) -> ShadowKVPool:
+    """A compressed pool of its own (in a page pool of its own) for one segment of num_chunks."""
+    mc, max_rank = runner.config, cfg.max_rank(runner.config.kv_dim)
+    layout = slot_layout(cfg.chunk_size, mc.num_kv_heads, mc.head_dim, max_rank, runner.dtype,
+                         cfg.landmark_torch_dtype or runner.dtype, cfg.host_value_torch_dtype or runner.dtype)
+    pages = segment_pages(layout, num_chunks, cfg.num_outliers(num_chunks), max_rank, cfg.chunk_size)
+    kv = PagedKVPool(pages + 2, cfg.chunk_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, runner.dtype, runner.device)
+    return ShadowKVPool(kv, max_rank, num_chunks, 1, cfg.host_value_torch_dtype, cfg.landmark_torch_dtype)
 
 
 def held_kv(decoder: SparseDecoder, seg, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -134,7 +142,9 @@ def _gpu_bytes(store: ShadowKVPool, seg, decoder: SparseDecoder, runner: ModelRu
     per_token = runner.pool.bytes_per_token
     gpu = sizes["gpu_compressed_bytes"] + decoder.scratch_bytes_per_request + dense_tokens * per_token
     full = (seg.num_tokens + dense_tokens) * per_token
-    bounds_gpu = gpu + sizes["gpu_landmark_bytes"]  # two landmarks (min, max) for one mean
+    landmark = store.landmarks[0]  # one landmark row per chunk slot and layer
+    landmark_bytes = seg.num_chunks * landmark[0].numel() * landmark.element_size() * store.num_layers
+    bounds_gpu = gpu + landmark_bytes  # two landmarks (min, max) for one mean
     return {"gpu_bytes": {**sizes, "gpu_scratch_bytes": decoder.scratch_bytes_per_request,
                           "dense_kv_bytes": dense_tokens * per_token, "gpu_total_bytes": gpu, "full_kv_bytes": full},
             "gpu_saving_vs_full": full / gpu, "gpu_saving_vs_full_with_bounds": full / bounds_gpu}

@@ -1,7 +1,8 @@
 """Copy selected value chunks from the host pool into the GPU scratch.
 
-The host pool is [chunk_slots, Hkv, c, D], so one chunk of one KV head is one contiguous read of
-c·D elements. On the GPU the pool is pinned host memory that the kernel reads directly over PCIe
+The host pool is [host slots, Hkv, c, D], so one chunk of one KV head is one contiguous read of
+c·D elements; chunk slot s's values are at host slot host_slot[s] (the GPU state of a chunk lives
+in the dense pool's pages, its values in a host pool of its own). On the GPU the pool is pinned host memory that the kernel reads directly over PCIe
 (UVA zero-copy): no staging copy, no CPU work. Jobs are as in `rebuild_keys` (-1 = cache hit).
 An int8 host pool comes with a scale per chunk slot and KV head (on the GPU); the copy multiplies
 by it on the way into the scratch, so PCIe carries one byte per value.
@@ -14,14 +15,15 @@ import triton
 import triton.language as tl
 
 
-def gather_values_reference(host_v, jobs, scratch_v, scratch_rows, scale=None):
-    """Writes scratch_v[scratch_rows[b], h, e] = host_v[jobs[b, h, e], h] (times scale[that slot, h]
-    when given) for every job >= 0."""
+def gather_values_reference(host_v, host_slot, jobs, scratch_v, scratch_rows, scale=None):
+    """Writes scratch_v[scratch_rows[b], h, e] = host_v[host_slot[jobs[b, h, e]], h] (times
+    scale[that chunk slot, h] when given) for every job >= 0."""
     b_idx, h_idx, e_idx = (jobs >= 0).nonzero(as_tuple=True)
     if b_idx.numel() == 0:
         return scratch_v
     slots = jobs[b_idx, h_idx, e_idx].long()
-    chunks = host_v[slots.to(host_v.device), h_idx.to(host_v.device)].to(scratch_v.device)
+    host = host_slot[slots].long()
+    chunks = host_v[host.to(host_v.device), h_idx.to(host_v.device)].to(scratch_v.device)
     if scale is not None:
         chunks = chunks.float() * scale[slots, h_idx][:, None, None]
     scratch_v[scratch_rows[b_idx].long(), h_idx, e_idx] = chunks.to(scratch_v.dtype)
@@ -29,7 +31,7 @@ def gather_values_reference(host_v, jobs, scratch_v, scratch_rows, scale=None):
 
 
 @triton.jit
-def _gather_values_kernel(HOST, JOBS, OUT, ROWS, SCALE, NUM_JOBS, stride_hs, stride_hh, stride_jb, stride_jh,
+def _gather_values_kernel(HOST, HOST_SLOT, JOBS, OUT, ROWS, SCALE, NUM_JOBS, stride_hs, stride_hh, stride_jb, stride_jh,
                           stride_or, stride_oh, stride_oe, stride_ss,
                           HEADS: tl.constexpr, ENTRIES: tl.constexpr, NUMEL: tl.constexpr,
                           BLOCK: tl.constexpr, SCALED: tl.constexpr):
@@ -43,7 +45,7 @@ def _gather_values_kernel(HOST, JOBS, OUT, ROWS, SCALE, NUM_JOBS, stride_hs, str
         e = i % ENTRIES
         slot = tl.load(JOBS + b * stride_jb + h * stride_jh + e)
         if slot >= 0:
-            src = HOST + slot.to(tl.int64) * stride_hs + h * stride_hh + offs
+            src = HOST + tl.load(HOST_SLOT + slot).to(tl.int64) * stride_hs + h * stride_hh + offs
             row = tl.load(ROWS + b).to(tl.int64)
             dst = OUT + row * stride_or + h * stride_oh + e * stride_oe + offs
             chunk = tl.load(src, mask=valid)
@@ -52,7 +54,7 @@ def _gather_values_kernel(HOST, JOBS, OUT, ROWS, SCALE, NUM_JOBS, stride_hs, str
             tl.store(dst, chunk.to(OUT.dtype.element_ty), mask=valid)
 
 
-def gather_values(host_v, jobs, scratch_v, scratch_rows, scale=None, programs: int | None = None):
+def gather_values(host_v, host_slot, jobs, scratch_v, scratch_rows, scale=None, programs: int | None = None):
     """Triton version of `gather_values_reference`; host_v may be pinned CPU memory (read via UVA).
 
     programs: size of the persistent grid (default: two per SM on a GPU).
@@ -71,7 +73,7 @@ def gather_values(host_v, jobs, scratch_v, scratch_rows, scale=None, programs: i
     if scale is not None and scale.stride(1) != 1:
         raise ValueError("scale must be contiguous over KV heads")
     _gather_values_kernel[(min(programs, jobs.numel()),)](
-        host_v, jobs, scratch_v, scratch_rows, jobs if scale is None else scale, jobs.numel(),  # (unread if unscaled)
+        host_v, host_slot, jobs, scratch_v, scratch_rows, jobs if scale is None else scale, jobs.numel(),  # (unread if unscaled)
         host_v.stride(0), host_v.stride(1), jobs.stride(0), jobs.stride(1),
         scratch_v.stride(0), scratch_v.stride(1), scratch_v.stride(2), 0 if scale is None else scale.stride(0),
         HEADS=hkv, ENTRIES=e, NUMEL=numel, BLOCK=triton.next_power_of_2(numel), SCALED=scale is not None)

@@ -1,14 +1,17 @@
 """Rebuild the post-RoPE keys of selected chunks from their low-rank rows: K = RoPE(A[tokens] · B).
 
-Pool layout: chunk slot s owns the low-rank rows a_rows[s*c : s*c+c] (rank R, zero-padded past the
-layer's rank), its first token sits at position chunk_pos[s], and its segment's basis is
-basis[chunk_basis[s]] (R × Hkv·D, the KV head's D columns used for that head). A segment's rank
-may be below R (the energy rule picks it per layer): with `basis_rank` [bases] only its first
-basis_rank[chunk_basis[s]] columns are read, so a rank-33 layer costs a third of a rank-96 one
-in a pool 96 wide. Each job
-(b, h, e) names the chunk slot to write into scratch entry e of KV head h of scratch row
-scratch_rows[b]; -1 means the entry already holds what is needed (a chunk-cache hit).
-RoPE is the half-split convention (first half rotates with the second).
+Pool layout (mem_cache/compressed_pool.py keeps it inside the dense KV pool's pages): chunk slot s
+owns the low-rank rows of its c tokens, their first L columns in a_lo[s] [c, L] and the rest in
+a_hi[s] [c, R - L] (zero past the layer's rank); its first token sits at position chunk_pos[s] and
+its segment's basis is basis id chunk_basis[s]. A basis (R rows of Hkv·D, the KV head's D columns
+used for that head) lies in pages 2c rows at a time: rows 2c·i .. 2c·i + c - 1 in
+k_pages[basis_pages[b, i]] and the next c in v_pages[basis_pages[b, i]] (k_pages / v_pages: the
+pool's K and V memory as [pages, c, Hkv·D]). A segment's rank may be below R (the energy rule
+picks it per layer): with `basis_rank` [bases] only its first basis_rank[b] columns are read, so
+a rank-33 layer costs a third of a rank-96 one. Each job (b, h, e) names the chunk slot to write
+into scratch entry e of KV head h of scratch row scratch_rows[b]; -1 means the entry already
+holds what is needed (a chunk-cache hit). RoPE is the half-split convention (first half rotates
+with the second).
 """
 
 from __future__ import annotations
@@ -20,31 +23,57 @@ import triton.language as tl
 from sglang_shadowkv.kernels.rotary import rotate_reference
 
 
-def rebuild_keys_reference(a_rows, basis, cos, sin, chunk_pos, chunk_basis, jobs, scratch_k,
-                           scratch_rows, chunk_size, basis_rank=None):
+def basis_rows_reference(k_pages, v_pages, basis_pages, bases, rank):
+    """[len(bases), rank, Hkv·D] rows of the given bases, read from their pages."""
+    pages = basis_pages[bases.long()].long()  # [n, pages per basis]
+    return torch.stack([k_pages[pages], v_pages[pages]], 2).flatten(1, 3)[:, :rank]
+
+
+def rebuild_keys_reference(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, chunk_pos, chunk_basis, jobs,
+                           scratch_k, scratch_rows, basis_rank=None):
     """Writes scratch_k[scratch_rows[b], h, e] for every job >= 0; returns scratch_k."""
     b_idx, h_idx, e_idx = (jobs >= 0).nonzero(as_tuple=True)
     if b_idx.numel() == 0:
         return scratch_k
-    d = scratch_k.shape[-1]
+    c, d = scratch_k.shape[-2], scratch_k.shape[-1]
     slots = jobs[b_idx, h_idx, e_idx].long()
-    tokens = slots[:, None] * chunk_size + torch.arange(chunk_size, device=slots.device)
-    a = a_rows[tokens].float()  # [J, c, R]
+    a = torch.cat([a_lo[slots], a_hi[slots]], 2).float()  # [J, c, R]
+    bases, which = chunk_basis[slots].long().unique(return_inverse=True)
+    basis = basis_rows_reference(k_pages, v_pages, basis_pages, bases, a.shape[2])  # [n, R, Hkv·D]
     if basis_rank is not None:  # columns past the segment's rank are not read
         rank = basis_rank[chunk_basis[slots].long()].long()
         a = a * (torch.arange(a.shape[2], device=a.device) < rank[:, None])[:, None, :]
-    per_head = basis.unflatten(2, (-1, d)).transpose(1, 2)  # [bases, Hkv, R, D]: each job reads its head's
-    k = torch.bmm(a, per_head[chunk_basis[slots].long(), h_idx].float())  # [J, c, D] pre-RoPE
-    pos = chunk_pos[slots].long()[:, None] + torch.arange(chunk_size, device=slots.device)
+    per_head = basis.unflatten(2, (-1, d)).transpose(1, 2)  # [n, Hkv, R, D]: each job reads its head's
+    k = torch.bmm(a, per_head[which, h_idx].float())  # [J, c, D] pre-RoPE
+    pos = chunk_pos[slots].long()[:, None] + torch.arange(c, device=slots.device)
     k = rotate_reference(k.reshape(-1, 1, d), cos, sin, pos.flatten()).view_as(k)
     scratch_k[scratch_rows[b_idx].long(), h_idx, e_idx] = k.to(scratch_k.dtype)
     return scratch_k
 
 
 @triton.jit
-def _rebuild_keys_kernel(A, BASIS, COS, SIN, CHUNK_POS, CHUNK_BASIS, BASIS_RANK, JOBS, OUT, ROWS, RANK,
-                         stride_a, stride_bb, stride_br, stride_cos,
-                         stride_jb, stride_jh, stride_or, stride_oh, stride_oe, stride_ot,
+def _accumulate(acc1, acc2, a_ptr, kp, vp, offs_r, r_valid, t_valid, page_ids, col,
+                stride_at, stride_pp, stride_pt, CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, HALF: tl.constexpr):
+    """acc += A[:, offs_r] · B[offs_r, col] (first half) and B[offs_r, col + HALF] (second half);
+    a_ptr points at A's first row, columns offs_r; B's rows come from their basis pages."""
+    a = tl.load(a_ptr + tl.arange(0, CHUNK_PAD)[:, None] * stride_at, mask=t_valid[:, None] & r_valid[None, :],
+                other=0.0).to(tl.float32)
+    half = (offs_r // CHUNK) % 2  # 0: the row is in the page's K memory, 1: in its V memory
+    row = page_ids * stride_pp + (offs_r % CHUNK) * stride_pt
+    k_mask = (r_valid & (half == 0))[:, None]
+    v_mask = (r_valid & (half == 1))[:, None]
+    b1 = (tl.load(kp + row[:, None] + col[None, :], mask=k_mask, other=0.0).to(tl.float32)
+          + tl.load(vp + row[:, None] + col[None, :], mask=v_mask, other=0.0).to(tl.float32))
+    b2 = (tl.load(kp + row[:, None] + (col + HALF)[None, :], mask=k_mask, other=0.0).to(tl.float32)
+          + tl.load(vp + row[:, None] + (col + HALF)[None, :], mask=v_mask, other=0.0).to(tl.float32))
+    return acc1 + tl.dot(a, b1), acc2 + tl.dot(a, b2)
+
+
+@triton.jit
+def _rebuild_keys_kernel(A_LO, A_HI, KP, VP, BASIS_PAGES, COS, SIN, CHUNK_POS, CHUNK_BASIS, BASIS_RANK, JOBS,
+                         OUT, ROWS, RANK, LO,
+                         stride_lo_s, stride_lo_t, stride_hi_s, stride_hi_t, stride_pp, stride_pt, stride_bp,
+                         stride_cos, stride_jb, stride_jh, stride_or, stride_oh, stride_oe, stride_ot,
                          CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_R: tl.constexpr, RANKED: tl.constexpr):
     b = tl.program_id(0)
@@ -63,16 +92,21 @@ def _rebuild_keys_kernel(A, BASIS, COS, SIN, CHUNK_POS, CHUNK_BASIS, BASIS_RANK,
         col = h * 2 * HALF + offs_h
         acc1 = tl.zeros([CHUNK_PAD, HALF], tl.float32)
         acc2 = tl.zeros([CHUNK_PAD, HALF], tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
+        lo_end = tl.minimum(rank, LO)
+        for r0 in range(0, lo_end, BLOCK_R):  # columns held in the slot's K share
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_valid = offs_r < lo_end
+            pages = tl.load(BASIS_PAGES + basis_id * stride_bp + offs_r // (2 * CHUNK), mask=r_valid, other=0)
+            acc1, acc2 = _accumulate(acc1, acc2, A_LO + slot * stride_lo_s + offs_r[None, :], KP, VP, offs_r,
+                                     r_valid, t_valid, pages.to(tl.int64), col, stride_lo_t, stride_pp, stride_pt,
+                                     CHUNK, CHUNK_PAD, HALF)
+        for r0 in range(LO, rank, BLOCK_R):  # the rest, in its V share
             offs_r = r0 + tl.arange(0, BLOCK_R)
             r_valid = offs_r < rank
-            a = tl.load(A + (slot * CHUNK + offs_t)[:, None] * stride_a + offs_r[None, :],
-                        mask=t_valid[:, None] & r_valid[None, :], other=0.0).to(tl.float32)
-            bp = BASIS + basis_id * stride_bb + offs_r[:, None] * stride_br
-            b1 = tl.load(bp + col[None, :], mask=r_valid[:, None], other=0.0).to(tl.float32)
-            b2 = tl.load(bp + (col + HALF)[None, :], mask=r_valid[:, None], other=0.0).to(tl.float32)
-            acc1 += tl.dot(a, b1)
-            acc2 += tl.dot(a, b2)
+            pages = tl.load(BASIS_PAGES + basis_id * stride_bp + offs_r // (2 * CHUNK), mask=r_valid, other=0)
+            acc1, acc2 = _accumulate(acc1, acc2, A_HI + slot * stride_hi_s + (offs_r - LO)[None, :], KP, VP, offs_r,
+                                     r_valid, t_valid, pages.to(tl.int64), col, stride_hi_t, stride_pp, stride_pt,
+                                     CHUNK, CHUNK_PAD, HALF)
         pos = tl.load(CHUNK_POS + slot).to(tl.int64) + offs_t
         c = tl.load(COS + pos[:, None] * stride_cos + offs_h[None, :], mask=t_valid[:, None], other=1.0)
         s = tl.load(SIN + pos[:, None] * stride_cos + offs_h[None, :], mask=t_valid[:, None], other=0.0)
@@ -83,21 +117,25 @@ def _rebuild_keys_kernel(A, BASIS, COS, SIN, CHUNK_POS, CHUNK_BASIS, BASIS_RANK,
         tl.store(out + (offs_h + HALF)[None, :], (acc2 * c + acc1 * s).to(ty), mask=t_valid[:, None])
 
 
-def rebuild_keys(a_rows, basis, cos, sin, chunk_pos, chunk_basis, jobs, scratch_k, scratch_rows,
-                 chunk_size, basis_rank=None):
+def rebuild_keys(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, chunk_pos, chunk_basis, jobs, scratch_k,
+                 scratch_rows, basis_rank=None):
     """Triton version of `rebuild_keys_reference` (same arguments)."""
     b, hkv, e = jobs.shape
-    d = scratch_k.shape[-1]
+    c, d = scratch_k.shape[-2], scratch_k.shape[-1]
     if jobs.numel() == 0:
         return scratch_k
-    if basis.stride(2) != 1 or a_rows.stride(1) != 1 or cos.stride(1) != 1:
-        raise ValueError("a_rows, basis and cos/sin must be contiguous in their last dimension")
+    if a_lo.stride(2) != 1 or (a_hi.shape[2] and a_hi.stride(2) != 1) or k_pages.stride(2) != 1 \
+            or k_pages.stride() != v_pages.stride() or cos.stride(1) != 1:
+        raise ValueError("a_lo, a_hi, the pages and cos/sin must be contiguous in their last dimension, "
+                         "k_pages and v_pages laid out alike")
+    lo = a_lo.shape[2]
     _rebuild_keys_kernel[(b, hkv, e)](
-        a_rows, basis, cos, sin, chunk_pos, chunk_basis, chunk_basis if basis_rank is None else basis_rank,
-        jobs, scratch_k, scratch_rows, a_rows.shape[1],  # (BASIS_RANK unread without ranks)
-        a_rows.stride(0), basis.stride(0), basis.stride(1), cos.stride(0),
-        jobs.stride(0), jobs.stride(1), scratch_k.stride(0), scratch_k.stride(1), scratch_k.stride(2),
-        scratch_k.stride(3),
-        CHUNK=chunk_size, CHUNK_PAD=max(16, triton.next_power_of_2(chunk_size)), HALF=d // 2, BLOCK_R=32,
+        a_lo, a_hi if a_hi.numel() else a_lo, k_pages, v_pages, basis_pages, cos, sin, chunk_pos, chunk_basis,
+        chunk_basis if basis_rank is None else basis_rank,  # (BASIS_RANK unread without ranks)
+        jobs, scratch_k, scratch_rows, lo + a_hi.shape[2], lo,
+        a_lo.stride(0), a_lo.stride(1), a_hi.stride(0), a_hi.stride(1), k_pages.stride(0), k_pages.stride(1),
+        basis_pages.stride(0), cos.stride(0), jobs.stride(0), jobs.stride(1),
+        scratch_k.stride(0), scratch_k.stride(1), scratch_k.stride(2), scratch_k.stride(3),
+        CHUNK=c, CHUNK_PAD=max(16, triton.next_power_of_2(c)), HALF=d // 2, BLOCK_R=16,
         RANKED=basis_rank is not None)
     return scratch_k

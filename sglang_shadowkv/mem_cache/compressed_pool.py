@@ -1,19 +1,10 @@
-"""The compressed-segment store: GPU pools of low-rank keys, landmarks and outliers, host values.
+"""The compressed-segment store, inside the dense KV pool's pages: one GPU budget for both forms.
 
-A segment is a chunk-aligned span of one prompt compressed with one basis per layer. Its state is
-addressed by *chunk slot* so that every pool is indexed the same way and kernels serve a whole
-batch with one launch: chunk slot s owns the low-rank rows a_rows[s*c : s*c+c] (GPU), the
-landmark landmarks[s] and per KV head whether it can be selected (selectable[s], 0 for
-outlier chunks, which are always attended instead) (GPU), the values host_v[s] = [Hkv, c, D] (pinned host memory; one chunk
-of one head is one contiguous read) and the metadata chunk_pos[s] (position of its first token)
-and chunk_basis[s] (the segment's basis id). Outlier chunks are copied per KV head into a GPU
-outlier pool of [c, D] blocks. Slot 0 of every pool is reserved as a padding target.
-
-Host values may be int8 with one float32 scale per chunk and KV head (value_scale[s], GPU): the
-host pool and the bytes a decode step gathers over PCIe shrink to one per value (half of bf16),
-for a rounding error of at most half a step of 1/127 of the chunk's largest value. Landmarks may
-be int8 the same way (landmark_scale[s]): half their GPU memory, which at long contexts is a third
-of a request's, and half the bytes the per-step scores read.
+A page of the dense pool holds dense KV or, once this store takes it from the page allocator,
+compressed state: slot pages, outlier pages and basis pages (compressed_layout.py says how).
+A segment is a chunk-aligned span of one prompt compressed with one basis per layer; its state
+is addressed by chunk slot, so kernels serve a whole batch with one launch. One slot page is kept
+zero and never handed out: `null_slot`, the padding target of chunk tables (never selectable).
 """
 
 from __future__ import annotations
@@ -22,19 +13,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .compressed_layout import basis_pages, element_size, quantize_per_head, segment_pages, slot_layout
 from .host_memory import PinnedHostTensor
+from .kv_pool import PagedKVPool
 
 
 @dataclass
 class Segment:
-    seg_id: int  # basis id
+    seg_id: int  # also the id of its basis
     start: int  # position of the first token
     num_tokens: int
     chunk_slots: torch.Tensor  # [n] int64 on the pool's device, in token order
-    outlier_blocks: torch.Tensor  # [Hkv, outliers] int32 blocks of every layer's outlier pool
+    outlier_blocks: torch.Tensor  # [Hkv, outliers] int32 outlier blocks, shared by every layer
+    pages: list[int]  # every dense-pool page it holds (slot, outlier and basis pages)
+    host_slots: list[int]  # host value slot of each chunk, in token order
     ranks: list[int] = field(default_factory=list)  # per layer, filled by compression
-    slot_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first slot, count, chunk offset)
+    host_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first host slot, count, chunk offset)
     refs: int = 0  # live ChunkRefs (radix tree entries and running requests'); freed at 0
+    unlocked_tree_refs: int = 0  # of those, the ones in radix-tree nodes no request holds
+    droppable: bool = False  # every reference is an unlocked tree entry: evicting frees its pages
 
     @property
     def num_chunks(self) -> int:
@@ -55,93 +52,110 @@ class ChunkRef:
 
 
 class ShadowKVPool:
-    def __init__(self, num_chunk_slots: int, max_segments: int, max_outliers: int, chunk_size: int,
-                 num_layers: int, num_kv_heads: int, head_dim: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device | str, value_dtype: torch.dtype | None = None,
-                 landmark_dtype: torch.dtype | None = None):
-        self.chunk_size, self.num_kv_heads, self.head_dim = chunk_size, num_kv_heads, head_dim
-        self.max_rank, self.dtype, self.device = max_rank, dtype, torch.device(device)
-        self.num_layers = num_layers
-        self.max_outliers = max_outliers
-        slots = num_chunk_slots + 1
-        out_blocks = max_segments * num_kv_heads * max_outliers + 1
-        kv_dim = num_kv_heads * head_dim
-        pin = self.device.type == "cuda"
-        gpu = dict(dtype=dtype, device=self.device)
-        self.a_rows = [torch.zeros(slots * chunk_size, max_rank, **gpu) for _ in range(num_layers)]
-        self.basis = [torch.zeros(max_segments, max_rank, kv_dim, **gpu) for _ in range(num_layers)]
+    def __init__(self, kv: PagedKVPool, max_rank: int, host_chunks: int, max_segments: int,
+                 value_dtype: torch.dtype | None = None, landmark_dtype: torch.dtype | None = None):
+        k0 = kv.k_buffers[0]
+        self.kv, self.dtype, self.device = kv, k0.dtype, kv.device
+        self.chunk_size = c = kv.page_size
+        self.num_kv_heads, self.head_dim = h, d = k0.shape[1], k0.shape[2]
+        self.num_layers, self.max_rank, self.max_segments = len(kv.k_buffers), max_rank, max_segments
+        kv_dim = h * d
+        value_dtype = _storage_dtype("value_dtype", value_dtype, self.dtype)
+        landmark_dtype = _storage_dtype("landmark_dtype", landmark_dtype, self.dtype)
+        self.layout = lay = slot_layout(c, h, d, max_rank, self.dtype, landmark_dtype, value_dtype)
+        m, pages = lay.slots_per_page, kv.num_pages
+        self.num_slots = pages * m
+        self.basis_pages_per_segment = basis_pages(max_rank, c)
+
+        def record_field(layer: int, at: int, width: int, dt: torch.dtype) -> torch.Tensor:
+            raw = kv.v_buffers[layer].view(torch.uint8).view(self.num_slots, lay.record_bytes)
+            return raw[:, at:at + width * element_size(dt)].view(dt)
+
+        self.a_lo = [kv.k_buffers[i].view(self.num_slots, c, kv_dim // m)[:, :, :lay.lo_cols]
+                     for i in range(self.num_layers)]
+        self.a_hi = [record_field(i, 0, c * lay.hi_cols, self.dtype).view(self.num_slots, c, lay.hi_cols)
+                     for i in range(self.num_layers)]
+        self.landmarks = [record_field(i, lay.landmark_at, kv_dim, landmark_dtype).view(self.num_slots, h, d)
+                          for i in range(self.num_layers)]
+        self.landmark_scale = None if lay.landmark_scale_at is None else [
+            record_field(i, lay.landmark_scale_at, h, torch.float32) for i in range(self.num_layers)]
+        self.value_scale = None if lay.value_scale_at is None else [
+            record_field(i, lay.value_scale_at, h, torch.float32) for i in range(self.num_layers)]
+        self.selectable = [record_field(i, lay.selectable_at, h, torch.int8) for i in range(self.num_layers)]
+        self.outlier_k = [buf.view(pages * h, c, d) for buf in kv.k_buffers]
+        self.outlier_v = [buf.view(pages * h, c, d) for buf in kv.v_buffers]
+        ints = dict(dtype=torch.int32, device=self.device)
+        self.outlier_pos = [torch.zeros(pages * h, **ints) for _ in range(self.num_layers)]
+        self.basis_pages = torch.zeros(max_segments, self.basis_pages_per_segment, **ints)
         # each basis's rank (<= max_rank): key rebuilds read only that many low-rank columns
-        self.basis_rank = [torch.zeros(max_segments, dtype=torch.int32, device=self.device) for _ in range(num_layers)]
-        landmark_dtype = _storage_dtype("landmark_dtype", landmark_dtype, dtype)
-        self.landmarks = [torch.zeros(slots, num_kv_heads, head_dim, dtype=landmark_dtype, device=self.device)
-                          for _ in range(num_layers)]
-        self.landmark_scale = _scales(slots, num_kv_heads, self.device, num_layers, landmark_dtype)
-        self.selectable = [torch.zeros(slots, num_kv_heads, dtype=torch.int8, device=self.device)
-                           for _ in range(num_layers)]
-        self.outlier_k = [torch.zeros(out_blocks, chunk_size, head_dim, **gpu) for _ in range(num_layers)]
-        self.outlier_v = [torch.zeros(out_blocks, chunk_size, head_dim, **gpu) for _ in range(num_layers)]
-        # position of each outlier block's first token (outliers differ per layer)
-        self.outlier_pos = [torch.zeros(out_blocks, dtype=torch.int32, device=self.device)
-                            for _ in range(num_layers)]
-        host_shape = (slots, num_kv_heads, chunk_size, head_dim)
-        host_dtype = _storage_dtype("value_dtype", value_dtype, dtype)
-        if pin:  # page-locked at the exact size; unpinned when the pool (its owners) goes
-            self._host_owners = [PinnedHostTensor(host_shape, host_dtype) for _ in range(num_layers)]
+        self.basis_rank = [torch.zeros(max_segments, **ints) for _ in range(self.num_layers)]
+        self.chunk_pos = torch.zeros(self.num_slots, **ints)
+        self.chunk_basis = torch.zeros(self.num_slots, **ints)
+        self.host_slot = torch.zeros(self.num_slots, **ints)
+        host_shape = (host_chunks + 1, h, c, d)  # host slot 0: padding
+        if self.device.type == "cuda":  # page-locked at the exact size; unpinned when the pool goes
+            self._host_owners = [PinnedHostTensor(host_shape, value_dtype) for _ in range(self.num_layers)]
             self.host_v = [owner.tensor for owner in self._host_owners]
         else:
             self._host_owners = []
-            self.host_v = [torch.zeros(host_shape, dtype=host_dtype) for _ in range(num_layers)]
-        self.value_scale = _scales(slots, num_kv_heads, self.device, num_layers, host_dtype)
-        self.chunk_pos = torch.zeros(slots, dtype=torch.int32, device=self.device)
-        self.chunk_basis = torch.zeros(slots, dtype=torch.int32, device=self.device)
-        self._free_slots = list(range(slots - 1, 0, -1))
-        self.max_segments = max_segments
+            self.host_v = [torch.zeros(host_shape, dtype=value_dtype) for _ in range(self.num_layers)]
+        self._free_host = list(range(host_chunks, 0, -1))
         self._free_segments = list(range(max_segments - 1, -1, -1))
-        self._free_out_blocks = list(range(out_blocks - 1, 0, -1))
-        self.elt = torch.empty((), dtype=dtype).element_size()
-        self.host_elt = self.host_v[0].element_size()
-        self.d2h_stream = torch.cuda.Stream(self.device) if pin else None
+        self.null_page = self._take_pages(1)[0]
+        self.null_slot = self.null_page * m
+        for layer in range(self.num_layers):  # a zero page: nothing selectable, nothing to read
+            kv.k_buffers[layer][self.null_page * c:(self.null_page + 1) * c].zero_()
+            kv.v_buffers[layer][self.null_page * c:(self.null_page + 1) * c].zero_()
+        self.elt, self.host_elt = element_size(self.dtype), self.host_v[0].element_size()
+        self.d2h_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.live: dict[int, Segment] = {}  # allocated segments by id
 
+    # ---- sizes ---------------------------------------------------------------------------------
     @property
     def chunk_capacity(self) -> int:
-        return len(self.a_rows[0]) // self.chunk_size - 1
+        """Chunks the host value pool holds (the GPU side shares the dense pool's pages)."""
+        return len(self.host_v[0]) - 1
 
     @property
     def free_chunks(self) -> int:
-        return len(self._free_slots)
+        return len(self._free_host)
 
     @property
     def free_segments(self) -> int:
         return len(self._free_segments)
 
-    @property
-    def outlier_capacity(self) -> int:
-        """Outlier blocks that can ever be allocated (all but the reserved block 0)."""
-        return self.outlier_k[0].shape[0] - 1
+    def pages_for(self, num_chunks: int, num_outliers: int) -> int:
+        """Dense-pool pages a segment of num_chunks chunks takes."""
+        return segment_pages(self.layout, num_chunks, num_outliers, self.max_rank, self.chunk_size)
 
     def free_ids(self) -> dict[str, list[int]]:
-        """Free segment ids, chunk slots and outlier blocks (copies; for accounting checks)."""
-        return {"segments": list(self._free_segments), "chunk_slots": list(self._free_slots),
-                "outlier_blocks": list(self._free_out_blocks)}
+        """Free segment ids and host slots (copies; for accounting checks)."""
+        return {"segments": list(self._free_segments), "host_slots": list(self._free_host)}
 
+    # ---- segments ------------------------------------------------------------------------------
     def can_alloc(self, num_chunks: int, num_outliers: int) -> bool:
-        return (num_chunks <= len(self._free_slots) and self._free_segments
-                and self.num_kv_heads * num_outliers <= len(self._free_out_blocks))
+        return (num_chunks <= len(self._free_host) and bool(self._free_segments)
+                and self.pages_for(num_chunks, num_outliers) <= self.kv.num_free)
 
     def alloc_segment(self, start: int, num_tokens: int, num_outliers: int) -> Segment | None:
-        """Reserve the slots of a segment (None, nothing taken, when the pools are full)."""
+        """Take the pages, host slots and id of a segment (None, nothing taken, when any is short)."""
         n = num_tokens // self.chunk_size
         if num_tokens % self.chunk_size or not self.can_alloc(n, num_outliers):
             return None
-        slots = [self._free_slots.pop() for _ in range(n)]
-        blocks = [self._free_out_blocks.pop() for _ in range(self.num_kv_heads * num_outliers)]
-        seg = Segment(self._free_segments.pop(), start, num_tokens,
-                      torch.tensor(slots, dtype=torch.int64, device=self.device),
-                      torch.tensor(blocks, dtype=torch.int32, device=self.device).view(-1, num_outliers),
-                      ranks=[0] * self.num_layers, slot_runs=_contiguous_runs(slots))
+        m, h = self.layout.slots_per_page, self.num_kv_heads
+        slot_pages = self._take_pages(-(-n // m))
+        outlier_pages = self._take_pages(num_outliers)
+        basis_pages = self._take_pages(self.basis_pages_per_segment)
+        slots = torch.tensor([p * m + j for p in slot_pages for j in range(m)][:n], dtype=torch.int64)
+        host = [self._free_host.pop() for _ in range(n)]
+        blocks = torch.tensor(outlier_pages, dtype=torch.int32)[None, :] * h + torch.arange(h, dtype=torch.int32)[:, None]
+        seg = Segment(self._free_segments.pop(), start, num_tokens, slots.to(self.device), blocks.to(self.device),
+                      slot_pages + outlier_pages + basis_pages, host, ranks=[0] * self.num_layers,
+                      host_runs=_contiguous_runs(host))
+        self.basis_pages[seg.seg_id] = torch.tensor(basis_pages, dtype=torch.int32, device=self.device)
         self.chunk_pos[seg.chunk_slots] = (start + torch.arange(n, device=self.device) * self.chunk_size).int()
         self.chunk_basis[seg.chunk_slots] = seg.seg_id
+        self.host_slot[seg.chunk_slots] = torch.tensor(host, dtype=torch.int32, device=self.device)
         self.live[seg.seg_id] = seg
         return seg
 
@@ -150,30 +164,72 @@ class ShadowKVPool:
         seg.refs += seg.num_chunks
         return [ChunkRef(seg, i) for i in range(seg.num_chunks)]
 
-    def release_chunks(self, refs: list[ChunkRef]) -> None:
+    def release_chunks(self, refs: list[ChunkRef]) -> int:
+        """Drop references; returns the dense-pool pages freed (segments whose last went)."""
+        freed = 0
         for ref in refs:
             ref.segment.refs -= 1
             if ref.segment.refs == 0:
+                freed += len(ref.segment.pages)
                 self.free_segment(ref.segment)
             elif ref.segment.refs < 0:
                 raise RuntimeError("ShadowKV pool: a chunk reference was released twice")
+        return freed
 
     def free_segment(self, seg: Segment) -> None:
         del self.live[seg.seg_id]
-        self._free_slots.extend(seg.chunk_slots.tolist()[::-1])
-        self._free_out_blocks.extend(seg.outlier_blocks.flatten().tolist()[::-1])
+        self.kv.free(seg.pages)
+        self._free_host.extend(reversed(seg.host_slots))
         self._free_segments.append(seg.seg_id)
+
+    def _take_pages(self, n: int) -> list[int]:
+        pages = self.kv.alloc(n)
+        if pages is None:
+            raise RuntimeError(f"ShadowKV pool: {n} pages asked, {self.kv.num_free} free")
+        return pages
+
+    # ---- writes and reads of a segment's state ---------------------------------------------------
+    def write_lowrank(self, layer: int, seg: Segment, rows: torch.Tensor) -> None:
+        """The segment's low-rank rows [num_tokens, max_rank] into its slots (K and V shares)."""
+        rows = rows.to(self.dtype).view(seg.num_chunks, self.chunk_size, -1)
+        lo = self.layout.lo_cols
+        self.a_lo[layer][seg.chunk_slots] = rows[:, :, :lo]
+        if self.layout.hi_cols:
+            self.a_hi[layer][seg.chunk_slots] = rows[:, :, lo:lo + self.layout.hi_cols]
+
+    def lowrank_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """[len(slots), c, max_rank] low-rank rows of chunk slots (the torch reference's read)."""
+        parts = [self.a_lo[layer][slots]] + ([self.a_hi[layer][slots]] if self.layout.hi_cols else [])
+        return torch.cat(parts, 2)
+
+    def write_basis(self, layer: int, seg: Segment, basis: torch.Tensor) -> None:
+        """The segment's basis [max_rank, kv_dim] (zero past its rank) into its basis pages."""
+        c = self.chunk_size
+        rows = torch.zeros(self.basis_pages_per_segment * 2 * c, basis.shape[1], dtype=self.dtype, device=self.device)
+        rows[:basis.shape[0]] = basis
+        rows = rows.view(-1, 2, c, basis.shape[1])
+        pages = self.basis_pages[seg.seg_id].long()
+        self._page_rows(self.kv.k_buffers[layer])[pages] = rows[:, 0]
+        self._page_rows(self.kv.v_buffers[layer])[pages] = rows[:, 1]
+
+    def basis_memory(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K pages, V pages, basis page table): where a layer's bases lie (kernels/rebuild_keys.py)."""
+        return self._page_rows(self.kv.k_buffers[layer]), self._page_rows(self.kv.v_buffers[layer]), self.basis_pages
+
+    def _page_rows(self, buffer: torch.Tensor) -> torch.Tensor:
+        """A K or V buffer [tokens, Hkv, D] as [pages, c, kv_dim]."""
+        return buffer.view(self.kv.num_pages, self.chunk_size, -1)
 
     def write_host_values(self, layer: int, seg: Segment, values: torch.Tensor) -> None:
         """Copy the segment's values [n, Hkv, c, D] into its host chunks: one copy per run of
-        consecutive slots. On the GPU the copies go on a side stream straight into pinned memory,
-        so they overlap the next layers' prefill; `wait_host_writes` orders later readers."""
+        consecutive host slots. On the GPU the copies go on a side stream straight into pinned
+        memory, so they overlap the next layers' work; `wait_host_writes` orders later readers."""
         if self.value_scale is not None:
             values, scale = quantize_per_head(values)
             self.value_scale[layer][seg.chunk_slots] = scale
 
         def copy_runs(non_blocking: bool):
-            for first, count, offset in seg.slot_runs:
+            for first, count, offset in seg.host_runs:
                 self.host_v[layer][first:first + count].copy_(values[offset:offset + count],
                                                               non_blocking=non_blocking)
 
@@ -187,12 +243,12 @@ class ShadowKVPool:
 
     def read_host_values(self, layer: int, seg: Segment, first: int, count: int) -> torch.Tensor:
         """Values [count, Hkv, c, D] of chunks first..first+count-1 of a segment, on the pool's
-        device: one copy per run of consecutive slots, straight from pinned memory."""
+        device: one copy per run of consecutive host slots."""
         parts = []
-        for slot, run, offset in seg.slot_runs:
+        for host, run, offset in seg.host_runs:
             lo, hi = max(first, offset), min(first + count, offset + run)
             if lo < hi:
-                parts.append(self.host_v[layer][slot + lo - offset:slot + hi - offset].to(
+                parts.append(self.host_v[layer][host + lo - offset:host + hi - offset].to(
                     self.device, non_blocking=True))
         values = torch.cat(parts) if len(parts) > 1 else parts[0]
         if self.value_scale is None:
@@ -207,69 +263,39 @@ class ShadowKVPool:
             self.landmark_scale[layer][seg.chunk_slots] = scale
         self.landmarks[layer][seg.chunk_slots] = landmarks.to(self.landmarks[layer].dtype)
 
+    def landmarks_of(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """[..., Hkv, D] float32 landmarks of chunk slots, scales applied."""
+        out = self.landmarks[layer][slots].float()
+        if self.landmark_scale is not None:
+            out = out * self.landmark_scale[layer][slots][..., None]
+        return out
+
     def wait_host_writes(self) -> None:
         """Make the current stream wait for the value copies of finished compressions."""
         if self.d2h_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.d2h_stream)
 
-    def token_rows(self, seg: Segment) -> torch.Tensor:
-        """a_rows indices of the segment's tokens, in token order."""
-        c = self.chunk_size
-        return (seg.chunk_slots[:, None] * c + torch.arange(c, device=self.device)).flatten()
-
     # ---- accounting ----------------------------------------------------------------------------
     def segment_bytes(self, seg: Segment, num_chunks: int | None = None) -> dict[str, int]:
-        """GPU bytes (low-rank rows and bases at their true ranks, landmarks, outliers) and host bytes
-        of a segment, or of num_chunks of its chunks (a view of it, with its whole basis)."""
-        kv_dim, c = self.num_kv_heads * self.head_dim, self.chunk_size
+        """GPU bytes (its pages, or the share of num_chunks of its chunks: a view of it, with its
+        whole basis and outliers) and host bytes of a segment."""
         n = seg.num_chunks if num_chunks is None else num_chunks
-        layers = len(seg.ranks)
-        lowrank = sum(r * (n * c + kv_dim) for r in seg.ranks) * self.elt
-        landmarks = layers * n * (kv_dim * self.landmarks[0].element_size()
-                                  + (0 if self.landmark_scale is None else self.num_kv_heads * 4))
-        outliers = layers * 2 * self.num_kv_heads * seg.num_outliers * c * self.head_dim * self.elt
-        scales = 0 if self.value_scale is None else layers * n * self.num_kv_heads * 4
-        host = layers * n * c * kv_dim * self.host_elt
-        return {"gpu_lowrank_bytes": lowrank, "gpu_landmark_bytes": landmarks,
-                "gpu_outlier_bytes": outliers, "gpu_value_scale_bytes": scales,
-                "gpu_compressed_bytes": lowrank + landmarks + outliers + scales, "host_bytes": host}
-
-    @staticmethod
-    def bytes_per_unit(num_layers: int, num_kv_heads: int, head_dim: int, chunk_size: int, max_rank: int,
-                       max_outliers: int, dtype: torch.dtype, value_dtype: torch.dtype | None,
-                       landmark_dtype: torch.dtype | None) -> dict[str, int]:
-        """What one chunk slot costs on the GPU and on the host, and one segment on the GPU (its
-        bases and outlier blocks): the allocation above, per unit, for sizing the pools."""
-        elt = torch.empty((), dtype=dtype).element_size()
-        value_elt = torch.empty((), dtype=value_dtype or dtype).element_size()
-        landmark_elt = torch.empty((), dtype=landmark_dtype or dtype).element_size()
-        scales = 4 * num_kv_heads * ((value_dtype == torch.int8) + (landmark_dtype == torch.int8))
-        kv_dim = num_kv_heads * head_dim
-        gpu_slot = num_layers * (chunk_size * max_rank * elt + kv_dim * landmark_elt + num_kv_heads + scales) + 8
-        host_slot = num_layers * chunk_size * kv_dim * value_elt
-        segment = num_layers * (max_rank * kv_dim * elt + num_kv_heads * max_outliers * (2 * chunk_size * head_dim * elt + 4))
-        return {"gpu_per_slot": gpu_slot, "host_per_slot": host_slot, "gpu_per_segment": segment}
+        page = self.kv.bytes_per_token * self.chunk_size
+        slots = -(-n // self.layout.slots_per_page) * page
+        outliers = seg.num_outliers * page
+        basis = self.basis_pages_per_segment * page
+        host = self.num_layers * n * self.chunk_size * self.num_kv_heads * self.head_dim * self.host_elt
+        return {"gpu_slot_page_bytes": slots, "gpu_outlier_bytes": outliers, "gpu_basis_bytes": basis,
+                "gpu_compressed_bytes": slots + outliers + basis, "host_bytes": host}
 
     def capacity_bytes(self) -> dict[str, int]:
-        def total(tensors):
-            return sum(t.numel() * t.element_size() for t in tensors)
-        gpu = total(self.a_rows + self.basis + self.landmarks + self.outlier_k + self.outlier_v
-                    + (self.value_scale or []) + (self.landmark_scale or []))
         live = [self.segment_bytes(seg) for seg in self.live.values()]
-        return {"gpu_pool_bytes": gpu, "host_pool_bytes": total(self.host_v), "segments": len(live),
+        return {"host_pool_bytes": sum(t.numel() * t.element_size() for t in self.host_v), "segments": len(live),
                 "segment_gpu_bytes": sum(b["gpu_compressed_bytes"] for b in live),
                 "segment_host_bytes": sum(b["host_bytes"] for b in live),
+                "segment_pages": sum(len(seg.pages) for seg in self.live.values()),
                 "chunk_slots": self.chunk_capacity, "free_chunk_slots": self.free_chunks,
-                "free_segments": self.free_segments}
-
-
-def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n, Hkv, ...] (values of chunks, or landmarks) -> int8 and the float32 scale [n, Hkv] of each
-    chunk and KV head (its largest magnitude / 127; x = int8 * scale)."""
-    x = x.float()
-    scale = x.flatten(2).abs().amax(2).clamp(min=1e-30) / 127
-    per_element = scale.view(*scale.shape, *[1] * (x.dim() - 2))
-    return (x / per_element).round().clamp(-127, 127).to(torch.int8), scale
+                "free_segments": self.free_segments, "slots_per_page": self.layout.slots_per_page}
 
 
 def _storage_dtype(name: str, requested: torch.dtype | None, dtype: torch.dtype) -> torch.dtype:
@@ -277,14 +303,6 @@ def _storage_dtype(name: str, requested: torch.dtype | None, dtype: torch.dtype)
     if requested not in (None, dtype, torch.int8):
         raise ValueError(f"{name} must be the pool dtype or torch.int8, got {requested}")
     return requested or dtype
-
-
-def _scales(slots: int, num_kv_heads: int, device: torch.device, num_layers: int,
-            dtype: torch.dtype) -> list[torch.Tensor] | None:
-    """Per layer a float32 scale per chunk slot and KV head for an int8 pool (None otherwise)."""
-    if dtype != torch.int8:
-        return None
-    return [torch.ones(slots, num_kv_heads, dtype=torch.float32, device=device) for _ in range(num_layers)]
 
 
 def _contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:

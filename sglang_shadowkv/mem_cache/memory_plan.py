@@ -1,12 +1,11 @@
-"""How a GPU's memory (and, for ShadowKV, the host's) is split between the KV pools.
+"""How a GPU's memory (and, for ShadowKV, the host's) is given to the KV pools.
 
-Full attention gives the dense pool `mem_fraction_static` of the free GPU memory. With ShadowKV the
-dense pool only has to hold what is dense at any time: long prompts while they prefill (compressed
-when they complete), every running request's dense tail and short prompts. So it gets
-DENSE_CONTEXTS full contexts plus DENSE_TAIL_TOKENS per running request, and the rest of the
-static share goes to compressed segments (low-rank keys, landmarks, outliers) after the decoder's
-chunk-cache scratch. Their values live in page-locked host memory, `shadowkv_host_mem_fraction` of
-what the machine has available; the chunk slots are what both sides can hold.
+Both attention modes give the dense page pool `mem_fraction_static` of the free GPU memory. With
+ShadowKV that one pool holds both forms of a document (dense pages, or compressed state in pages:
+mem_cache/compressed_pool.py), so the split between them follows what is cached; only the
+decoder's chunk-cache scratch and the small per-page metadata of compressed state are set aside
+first. Compressed values live in page-locked host memory, `shadowkv_host_mem_fraction` of what the
+machine has available.
 """
 
 from __future__ import annotations
@@ -14,20 +13,23 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-DENSE_CONTEXTS = 1  # long prompts prefilling at once (dense until compressed; others wait their turn)
-DENSE_TAIL_TOKENS = 512  # per running request: its dense window, question and generated tokens
-OUTLIER_BYTES_SHARE = 0.05  # of the compressed GPU budget, for segment bases and outliers
 DOCUMENT_SIZES = (16384, 32768, 131072)  # the sizes capacity reports count
 
 
 @dataclass
-class ShadowKVMemory:
-    dense_tokens: int
-    chunk_slots: int
-    limited_by: str  # "gpu" or "host"
+class MemoryPlan:
+    pool_tokens: int  # the dense page pool (both forms with ShadowKV)
+    host_chunks: int  # compressed chunks whose values the host pool holds (0: full attention)
+    gpu_budget_bytes: int = 0
+    host_budget_bytes: int = 0
+    set_aside_bytes: int = 0  # ShadowKV's scratch and metadata, before the pool
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
 
 
 def available_host_bytes() -> int:
@@ -50,30 +52,29 @@ def free_gpu_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def plan_shadowkv_memory(gpu_budget: int, host_budget: int, dense_bytes_per_token: int,
-                         gpu_bytes_per_slot: int, host_bytes_per_slot: int, scratch_bytes: int,
-                         context_length: int, max_running_requests: int) -> ShadowKVMemory:
-    """Dense tokens and compressed chunk slots from the GPU and host budgets (bytes)."""
-    dense_tokens = DENSE_CONTEXTS * context_length + DENSE_TAIL_TOKENS * max_running_requests
-    dense_tokens = min(dense_tokens, gpu_budget // 2 // dense_bytes_per_token)
-    left = gpu_budget - dense_tokens * dense_bytes_per_token - scratch_bytes
+def plan_gpu_memory(gpu_budget: int, bytes_per_token: int, set_aside: int, metadata_per_token: int,
+                    host_budget: int = 0, host_bytes_per_chunk: int = 0) -> MemoryPlan:
+    """The pool's tokens from the GPU budget (bytes) after `set_aside` bytes, each token costing its
+    dense bytes plus `metadata_per_token`; the host pool's chunks from the host budget."""
+    left = gpu_budget - set_aside
     if left <= 0:
-        raise MemoryError(f"the GPU has no room for compressed state after {dense_tokens} dense tokens and "
-                          f"{scratch_bytes / 2**30:.1f} GiB of chunk-cache scratch; lower "
-                          "max_running_requests or shadowkv_max_requests")
-    gpu_slots = int(left * (1 - OUTLIER_BYTES_SHARE)) // gpu_bytes_per_slot
-    host_slots = host_budget // host_bytes_per_slot
-    return ShadowKVMemory(dense_tokens, max(1, min(gpu_slots, host_slots)),
-                          "gpu" if gpu_slots <= host_slots else "host")
+        raise MemoryError(f"the GPU has no room for a KV pool after {set_aside / 2**30:.1f} GiB of ShadowKV "
+                          "chunk-cache scratch; lower shadowkv_max_requests or shadowkv_max_budget")
+    host_chunks = host_budget // host_bytes_per_chunk if host_bytes_per_chunk else 0
+    return MemoryPlan(left // (bytes_per_token + metadata_per_token), host_chunks, gpu_budget, host_budget,
+                      set_aside)
 
 
-def documents_that_fit(dense_tokens: int, compressed_tokens: int | None, segments: int | None = None) -> dict:
-    """How many documents of each size the pools hold at once: dense, and compressed (a document
-    takes one segment per segment_tokens)."""
+def documents_that_fit(pool_tokens: int, compressed_pages_for: Callable[[int], int] | None = None,
+                       page_size: int = 8, host_chunks: int = 0) -> dict:
+    """How many documents of each size the pool holds at once: dense, and (with ShadowKV)
+    compressed (pages per compressed document from compressed_pages_for(tokens), values within
+    the host pool)."""
     out = {}
     for size in DOCUMENT_SIZES:
-        row = {"dense": dense_tokens // size}
-        if compressed_tokens is not None:
-            row["compressed"] = min(compressed_tokens // size, segments or compressed_tokens)
+        row = {"dense": pool_tokens // size}
+        if compressed_pages_for is not None:
+            row["compressed"] = min(pool_tokens // page_size // compressed_pages_for(size),
+                                    host_chunks // (size // page_size))
         out[str(size)] = row
     return out

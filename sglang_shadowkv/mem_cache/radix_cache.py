@@ -5,16 +5,23 @@ id (an int), or a reference to the compressed chunk that holds those tokens (any
 a ShadowKV ChunkRef, when page size = chunk size). A matched prefix is an entry list a new
 request can use as is, and a split always falls on a page boundary, so a compressed span split in
 two is two views of one segment. Nodes on a running request's path are locked; eviction releases
-unlocked leaves in least-recently-used order. The tree knows nothing of models: it hands released
-entries to `release`.
+unlocked leaves, dense ones first, each kind in least-recently-used order (compressed state is
+dropped last: DESIGN.md §3), and a node's dense entries can be replaced by compressed ones
+(`replace_entries`, a demotion). The tree knows nothing of models: it hands released entries to
+`release`, which says how many pages that freed, and tells `on_evictable` (if given) whenever
+entries start or stop being evictable.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
+
+
+DROPPED_SPANS_KEPT = 4096
 
 
 class TreeNode:
@@ -41,9 +48,13 @@ class PrefixMatch:
 
 
 class RadixCache:
-    def __init__(self, page_size: int, release: Callable[[list], None]):
+    def __init__(self, page_size: int, release: Callable[[list], int | None],
+                 on_evictable: Callable[[list, int], None] | None = None):
+        """release(entries): frees them, returns the pages freed (None: one per dense entry).
+        on_evictable(entries, +1 / -1): entries became evictable (unlocked, in the tree) or stopped."""
         self.page_size = page_size
         self._release = release
+        self._on_evictable = on_evictable
         self._clock = itertools.count(1)
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
@@ -51,6 +62,8 @@ class RadixCache:
         self.evictable_pages = 0
         self.total_chunks = 0  # compressed chunk entries
         self.evictable_chunks = 0
+        # spans evicted lately, by (position, first page's tokens): their length (re-prefill counting)
+        self._dropped: OrderedDict[tuple, int] = OrderedDict()
 
     def _count(self, entries: list, sign: int, evictable: bool = True, total: bool = True) -> None:
         pages = sum(isinstance(e, int) for e in entries)
@@ -60,6 +73,8 @@ class RadixCache:
         if evictable:
             self.evictable_pages += sign * pages
             self.evictable_chunks += sign * (len(entries) - pages)
+            if self._on_evictable is not None and pages < len(entries):
+                self._on_evictable(entries, sign)
 
     # ---- lookup -------------------------------------------------------------------------------
     def match_prefix(self, tokens: list[int]) -> PrefixMatch:
@@ -147,22 +162,75 @@ class RadixCache:
 
     # ---- eviction -----------------------------------------------------------------------------
     def evict(self, num_pages: int, num_chunks: int = 0) -> int:
-        """Release unlocked leaves, oldest first, until num_pages dense pages and num_chunks
-        compressed chunk entries are released (or nothing is left); returns dense pages freed."""
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        """Release unlocked leaves until num_pages pages are freed and num_chunks compressed chunk
+        entries released (or nothing is left): dense leaves first, oldest first, then leaves holding
+        compressed entries. Returns the pages freed."""
+        heap = [self._evict_key(n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         freed = chunks = 0
         while (freed < num_pages or chunks < num_chunks) and heap:
-            _, _, node = heapq.heappop(heap)
-            self._release(node.pages)
+            *_, node = heapq.heappop(heap)
+            self._remember_dropped(node)
             dense = sum(isinstance(e, int) for e in node.pages)
-            freed, chunks = freed + dense, chunks + len(node.pages) - dense
             self._count(node.pages, -1)
+            released = self._release(node.pages)
+            freed += dense if released is None else released
+            chunks += len(node.pages) - dense
             parent = node.parent
             del parent.children[node.key[:self.page_size]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                heapq.heappush(heap, self._evict_key(parent))
         return freed
+
+    def _remember_dropped(self, node: TreeNode) -> None:
+        self._dropped[(self.node_start(node), node.key[:self.page_size])] = len(node.key)
+        if len(self._dropped) > DROPPED_SPANS_KEPT:
+            self._dropped.popitem(last=False)
+
+    def dropped_tokens_at(self, tokens: list[int], start: int) -> int:
+        """How many of tokens[start:] were cached before and evicted lately (0: none known)."""
+        length = self._dropped.get((start, tuple(tokens[start:start + self.page_size])), 0)
+        return min(length, len(tokens) - start)
+
+    @staticmethod
+    def _evict_key(node: TreeNode) -> tuple:
+        compressed = any(not isinstance(e, int) for e in node.pages)
+        return compressed, node.last_access, id(node), node
+
+    # ---- demotion -----------------------------------------------------------------------------
+    def replace_entries(self, node: TreeNode, entries: list) -> list:
+        """Give node new entries for the same tokens (its dense pages demoted to compressed
+        chunks); returns the old entries, which the caller releases."""
+        if len(entries) != len(node.pages):
+            raise ValueError(f"replace_entries: {len(entries)} entries for a node of {len(node.pages)} pages")
+        unlocked = node.lock_ref == 0
+        self._count(node.pages, -1, evictable=unlocked)
+        old, node.pages = node.pages, list(entries)
+        self._count(node.pages, +1, evictable=unlocked)
+        return old
+
+    def split(self, node: TreeNode, tokens: int) -> TreeNode:
+        """Cut node after `tokens` (a whole number of pages, inside it); returns the upper part
+        (node itself stays the lower part, so a lock held through it still covers both)."""
+        if tokens % self.page_size or not 0 < tokens < len(node.key):
+            raise ValueError(f"split at {tokens} tokens of a {len(node.key)}-token node")
+        return self._split(node, tokens)
+
+    def node_start(self, node: TreeNode) -> int:
+        """Position of the node's first token."""
+        start, node = 0, node.parent
+        while node is not None:
+            start += len(node.key)
+            node = node.parent
+        return start
+
+    def nodes(self):
+        """Every node but the root."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
 
     def flush(self) -> bool:
         """Drop every cached page; refused (False) while any request holds a lock. The root
@@ -170,29 +238,16 @@ class RadixCache:
         if self.evictable_pages != self.total_pages or self.evictable_chunks != self.total_chunks:
             return False
         self.evict(self.total_pages, self.total_chunks)
+        self._dropped.clear()  # flushed, not lost to memory pressure
         return True
 
     def _leaves(self):
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif node is not self.root:
-                yield node
+        return (node for node in self.nodes() if not node.children)
 
     def entries(self):
         """Every entry the tree holds: dense page ids and compressed chunk references."""
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
+        for node in self.nodes():
             yield from node.pages
-            stack.extend(node.children.values())
 
     def num_nodes(self) -> int:
-        count, stack = 0, [self.root]
-        while stack:
-            node = stack.pop()
-            count += 1
-            stack.extend(node.children.values())
-        return count - 1
+        return sum(1 for _ in self.nodes())

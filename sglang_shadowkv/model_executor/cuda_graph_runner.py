@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 
 from sglang_shadowkv.layers.attention.base import NO_GRAPH, AttentionBackend, ForwardBatch
 from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool, to_device
-from sglang_shadowkv.mem_cache.memory_plan import free_gpu_bytes
 
 from .forward_batch import StepItem
 
@@ -59,10 +59,12 @@ class DecodeGraphRunner:
         backend.init_graph_state(max_bs, max_bs * context_length, table)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.replays = 0
+        self.replays_by_variant: Counter[str] = Counter()
         self.capture_seconds = self.graph_bytes = 0.0
+        self._pool = self._stream = None  # one memory pool and capture stream for every graph
         if capture:
             self._capture(self._keys_for(only_for) if only_for else
-                          [(bs, v) for bs in reversed(self.batch_sizes) for v in backend.graph_variants()])
+                          [(bs, v) for bs in reversed(self.batch_sizes) for v in backend.startup_graph_variants()])
 
     def bucket(self, batch_size: int) -> int | None:
         """The captured size a batch is padded to (None: too large for the graphs)."""
@@ -83,12 +85,17 @@ class DecodeGraphRunner:
         backend.begin_graph_step(batch, variant)
         if self.capture:
             graph = self.graphs.get((bs, variant))
-            if graph is None:
-                return None
+            if graph is None:  # a variant captured on first use (the backend keeps startup short)
+                torch.cuda.synchronize(self.device)  # nothing else in flight while capturing
+                self._capture([(bs, variant)])
+                graph = self.graphs[(bs, variant)]
+                self._write_inputs(batch)
+                backend.begin_graph_step(batch, variant)
             graph.replay()
         else:
             self.logits[:bs].copy_(self.model(batch, backend))
         self.replays += 1
+        self.replays_by_variant[str(variant)] += 1
         return self.logits[:len(items)]
 
     def _padded_batch(self, items: list[StepItem], bs: int) -> ForwardBatch:
@@ -119,9 +126,10 @@ class DecodeGraphRunner:
         """Capture each (batch size, variant), largest first, in one memory pool: only one graph
         runs at a time, so their intermediate tensors can share memory."""
         model, backend, dev = self.model, self.backend, self.device
-        start, before = time.perf_counter(), free_gpu_bytes(dev)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(dev)
+        start, before = time.perf_counter(), torch.cuda.mem_get_info(dev)[0]
+        if self._pool is None:
+            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
+        pool, stream = self._pool, self._stream
         for bs, variant in keys:
             batch = self._padded_batch([], bs)
             self._write_inputs(batch)
@@ -136,13 +144,14 @@ class DecodeGraphRunner:
                 self.logits[:bs].copy_(model(batch, backend))
             self.graphs[(bs, variant)] = graph
         torch.cuda.synchronize(dev)
-        self.capture_seconds = time.perf_counter() - start
-        self.graph_bytes = before - free_gpu_bytes(dev)
-        logger.info("captured %d decode CUDA graphs (batch sizes %s, %d variants) in %.1f s, %.2f GiB",
-                    len(self.graphs), self.batch_sizes, len(backend.graph_variants()),
-                    self.capture_seconds, self.graph_bytes / 2**30)
+        seconds, graph_bytes = time.perf_counter() - start, before - torch.cuda.mem_get_info(dev)[0]
+        self.capture_seconds += seconds
+        self.graph_bytes += graph_bytes
+        logger.info("captured %d decode CUDA graph(s) (%s) in %.1f s, %.2f GiB; %d in all, %.1f s, %.2f GiB",
+                    len(keys), keys if len(keys) == 1 else f"batch sizes {self.batch_sizes}", seconds,
+                    graph_bytes / 2**30, len(self.graphs), self.capture_seconds, self.graph_bytes / 2**30)
 
     def stats(self) -> dict:
         return {"batch_sizes": self.batch_sizes, "graphs": len(self.graphs), "captured": self.capture,
                 "capture_seconds": round(self.capture_seconds, 2), "graph_bytes": int(self.graph_bytes),
-                "replays": self.replays}
+                "replays": self.replays, "replays_by_variant": dict(self.replays_by_variant)}

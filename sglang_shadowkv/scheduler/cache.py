@@ -22,6 +22,7 @@ from sglang_shadowkv.mem_cache.radix_cache import RadixCache
 from sglang_shadowkv.model_executor.forward_batch import StepItem
 from sglang_shadowkv.model_executor.model_runner import ModelRunner
 
+from .compressed_stats import tier_stats
 from .compressed_tier import CompressedTier
 from .counters import CacheCounters
 from .integrity import check_pools
@@ -33,23 +34,27 @@ class CacheManager:
     def __init__(self, runner: ModelRunner, page_size: int):
         self.runner, self.pool, self.page_size = runner, runner.pool, page_size
         self.table = runner.req_to_token
-        self.tree = RadixCache(page_size, self._release_entries)
+        shadowkv = runner.shadowkv_config is not None
+        self.tree = RadixCache(page_size, self._release_entries,
+                               on_evictable=(lambda entries, sign: self.compressed.on_evictable(entries, sign))
+                               if shadowkv else None)
         self.reserved_pages = 0
         self.counters = CacheCounters()
-        self.compressed = (CompressedTier(runner, self.tree, page_size)
-                           if runner.shadowkv_config is not None else None)
+        self.compressed = CompressedTier(runner, self.tree, page_size) if shadowkv else None
 
-    def _release_entries(self, entries: list) -> None:
+    def _release_entries(self, entries: list) -> int:
         if self.compressed is not None:
-            self.compressed.release_entries(entries)
-        else:
-            self.pool.free(entries)
+            return self.compressed.release_entries(entries)
+        self.pool.free(entries)
+        return len(entries)
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
 
     def available_pages(self) -> int:
-        return self.pool.num_free + self.tree.evictable_pages - self.reserved_pages
+        """Pages a new reservation may count on: free, or freed by evicting what no request holds."""
+        droppable = 0 if self.compressed is None else self.compressed.droppable_pages
+        return self.pool.num_free + self.tree.evictable_pages + droppable - self.reserved_pages
 
     # ---- admission ----------------------------------------------------------------------------
     def check_request(self, prompt_len: int, max_total_len: int) -> None:
@@ -61,18 +66,22 @@ class CacheManager:
         if self.compressed is not None:
             self.compressed.check_capacity(prompt_len)
 
-    def try_admit(self, req: Req) -> bool:
+    def try_admit(self, req: Req, long_demand: int = 0) -> bool:
         """Give the request its cached prefix, a table row and its reservation (False: it must
-        wait for memory)."""
+        wait, for memory or for a demotion that makes room without dropping a document).
+        long_demand: tokens of the long documents asked for at once (the compressed tier's rule)."""
         match = self.tree.match_prefix(req.input_ids[:prefix_match_limit(req)])
         self.tree.lock(match.node)
         need = self.pages_for(req.max_total_len) - len(match.pages)
-        if need > self.available_pages() or self.table.num_free == 0:
+        plan = None if self.compressed is None else self.compressed.plan(req, match.pages, long_demand)
+        extra = 0 if plan is None else plan.extra_pages
+        if need + extra > self.available_pages() or self.table.num_free == 0 or self._wait_for_demotion(need + extra):
             self.tree.unlock(match.node)
             return False
-        if self.compressed is not None:
-            state = self.compressed.plan(req, match.pages)
-            if state is False:
+        if plan is not None:
+            self.make_room(extra)
+            state = self.compressed.admit(req, plan, match.pages)
+            if state is None:
                 self.tree.unlock(match.node)
                 return False
             req.shadowkv = state
@@ -86,8 +95,29 @@ class CacheManager:
             self.table.write(req.pool_row, 0, self.pool.slots_of_pages(dense, req.num_computed))
         req.reserved_pages = need
         self.reserved_pages += need
-        self.counters.cached_tokens += req.cached_tokens
+        self._count_admission(req, match.pages)
         return True
+
+    def _wait_for_demotion(self, need: int) -> bool:
+        """Policy tier: when making room would drop cached documents, wait while a demotion can
+        make it by compressing them instead (the demoter works each step meanwhile)."""
+        return need > self.pool.num_free - self.reserved_pages and self.demotion_can_help()
+
+    def demotion_can_help(self) -> bool:
+        """Whether a demotion runs or can start (then waiting for memory is not hopeless)."""
+        demoter = None if self.compressed is None else self.compressed.demoter
+        return demoter is not None and demoter.can_help(self.available_pages())
+
+    def _count_admission(self, req: Req, matched: list) -> None:
+        self.counters.cached_tokens += req.cached_tokens
+        self.counters.dense_prefix_hits += any(isinstance(e, int) for e in matched)
+        self.counters.reprefilled_tokens += self.tree.dropped_tokens_at(req.input_ids, req.cached_tokens)
+
+    def maintain(self, waiting_need: int, idle: bool) -> None:
+        """Between steps: the demotion's share of work (all of it when nothing decodes)."""
+        demoter = None if self.compressed is None else self.compressed.demoter
+        if demoter is not None:
+            demoter.step(self.reserved_pages, self.available_pages(), waiting_need, idle)
 
     def prepare(self, req: Req, item: StepItem) -> None:
         """Before a step computes the item: its pages, and whether this prefill chunk completes a
@@ -159,12 +189,15 @@ class CacheManager:
         req.pool_row = None
 
     def make_room(self, pages: int) -> None:
-        """Evict cached prefixes until `pages` dense pages are free (as far as the cache can)."""
+        """Evict cached prefixes until `pages` pages are free (as far as the cache can)."""
         if self.pool.num_free < pages:
             self.tree.evict(pages - self.pool.num_free)
 
     def flush(self) -> bool:
-        """Drop every cached prefix; False (nothing dropped) while a request holds part of it."""
+        """Drop every cached prefix (a running demotion is given up); False (nothing dropped) while
+        a request holds part of it."""
+        if self.compressed is not None and self.compressed.demoter is not None:
+            self.compressed.demoter.cancel()
         return self.tree.flush()
 
     # ---- numbers ------------------------------------------------------------------------------
@@ -175,11 +208,14 @@ class CacheManager:
 
     def memory_stats(self, running: list[Req]) -> dict:
         running_pages = sum(sum(isinstance(e, int) for e in r.pages[r.num_borrowed:]) for r in running)
+        store = None if self.compressed is None else self.compressed.store
+        compressed = 0 if store is None else 1 + sum(len(seg.pages) for seg in store.live.values())  # 1: null page
         return {
             "page_size": self.page_size,
             "total_pages": self.pool.capacity,
             "free_pages": self.pool.num_free,
             "tree_pages": self.tree.total_pages,
+            "compressed_pages": compressed,  # compressed state in the pool's pages (segments, the null page)
             "evictable_pages": self.tree.evictable_pages,
             "running_request_pages": running_pages,
             "reserved_pages": self.reserved_pages,
@@ -188,4 +224,4 @@ class CacheManager:
         }
 
     def shadowkv_stats(self, running: list[Req]) -> dict | None:
-        return None if self.compressed is None else self.compressed.server_stats(running)
+        return None if self.compressed is None else tier_stats(self.compressed, running)

@@ -1,31 +1,53 @@
 """The cache's compressed tier: ShadowKV's state as radix-cache payload (DESIGN.md §3). Only the
 CacheManager calls it.
 
+Compression is a tier of the cache, not a step of every prefill. Policy "tier" (the default): a
+prompt stays dense and is served exactly as full attention serves it; when memory runs short the
+Demoter (demotion.py) turns the least recently used long dense spans of the tree into compressed
+segments, and eviction drops compressed state last. A long prompt is compressed at its prefill
+only when it could never be held dense: the long documents asked for at once (running and
+waiting, counted once per document) exceed EAGER_SHARE of the pool. Policy "eager" compresses
+every long prompt at its prefill (the previous behaviour).
+
 A request's page entries (see Req.pages) may be compressed ChunkRefs matched from the tree; its
-suffix prefills against them without restoring them dense (shadowkv/suffix_prefill.py), sparsely
-for a short suffix and exactly (streamed) for a long one. A long unmatched prompt gets its own
-segment, compressed during the step that completes the prompt; then the own span's dense pages
-are replaced by ChunkRefs, and decode runs the sparse path over every compressed chunk of the
-prefix. When the request finishes, a long dense tail (a chat that grew) is compressed into a
-new segment, and all entries go to the tree, so the next turn reuses them.
+suffix prefills against them without restoring them dense (shadowkv/suffix_prefill.py). A prompt
+compressed at its prefill gets its own segment during the step that completes it; then its span's
+dense pages are replaced by ChunkRefs, and decode runs the sparse path over every compressed chunk.
+
+Pages: segments take their pages from the one dense pool. `droppable_pages` counts the pages of
+segments that only unlocked tree entries reference (evicting those frees them), so admission can
+count them as available beside the dense evictable pages.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import logging
+from dataclasses import dataclass
 
-from sglang_shadowkv.mem_cache.radix_cache import RadixCache
 from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, Segment
+from sglang_shadowkv.mem_cache.radix_cache import RadixCache
+from sglang_shadowkv.model_executor.model_runner import ModelRunner
 from sglang_shadowkv.shadowkv.memory_report import request_report
 from sglang_shadowkv.shadowkv.request_state import ShadowKVReqState, build_layout
 
-from sglang_shadowkv.model_executor.model_runner import ModelRunner
-
 from .counters import CompressionCounters
+from .demotion import Demoter
 from .request import Req
 
 logger = logging.getLogger(__name__)
+
+EAGER_SHARE = 0.8  # policy "tier": compress at prefill when long documents at once exceed this share of the pool
+
+
+@dataclass
+class AdmissionPlan:
+    """What ShadowKV needs to admit a request: its own span compressed at prefill, if any (its
+    segment's pages are taken at admission), and whether it starts over compressed chunks."""
+    start: int  # first token past the matched prefix
+    own_span: int  # tokens of its prompt compressed at its prefill (0: none)
+    matched_chunks: bool
+    extra_pages: int  # pages the own segment takes
 
 
 class CompressedTier:
@@ -38,49 +60,80 @@ class CompressedTier:
         self.counters = CompressionCounters()
         self.rank_totals = [0] * runner.config.num_layers  # summed over compressions: the mean rank per layer
         self.last_ranks: list[int] = []
+        self.droppable_pages = 0
+        self.policy = self.cfg.compress_policy  # the warmup sets "eager" for a moment
+        self.demoter = Demoter(self) if self.policy == "tier" else None
 
-    # ---- entries ------------------------------------------------------------------------------
-    def release_entries(self, entries: list) -> None:
-        """Give back page entries: dense pages to the pool, chunk references to their segments."""
-        self.pool.free([e for e in entries if isinstance(e, int)])
-        self.store.release_chunks([e for e in entries if isinstance(e, ChunkRef)])
+    # ---- entries and their accounting ----------------------------------------------------------
+    def release_entries(self, entries: list) -> int:
+        """Give back page entries: dense pages to the pool, chunk references to their segments.
+        Returns the pages freed."""
+        dense = [e for e in entries if isinstance(e, int)]
+        self.pool.free(dense)
+        refs = [e for e in entries if isinstance(e, ChunkRef)]
+        freed = self.store.release_chunks(refs)
+        for seg in {id(r.segment): r.segment for r in refs}.values():
+            self._refresh(seg)
+        return len(dense) + freed
+
+    def new_refs(self, seg: Segment) -> list[ChunkRef]:
+        refs = self.store.chunk_refs(seg)
+        self._refresh(seg)
+        return refs
+
+    def on_evictable(self, entries: list, sign: int) -> None:
+        """The tree's hook: these entries became evictable (+1) or stopped being so (-1)."""
+        refs = [e for e in entries if isinstance(e, ChunkRef)]
+        for seg, group in itertools.groupby(refs, key=lambda r: r.segment):
+            seg.unlocked_tree_refs += sign * sum(1 for _ in group)
+            self._refresh(seg)
+
+    def _refresh(self, seg: Segment) -> None:
+        droppable = seg.refs > 0 and seg.refs == seg.unlocked_tree_refs
+        if droppable != seg.droppable:
+            self.droppable_pages += len(seg.pages) if droppable else -len(seg.pages)
+            seg.droppable = droppable
 
     def check_capacity(self, prompt_len: int) -> None:
         span = self.cfg.compressed_len(prompt_len, self.page_size)
         capacity = self.store.chunk_capacity * self.cfg.chunk_size
         if span > capacity:
-            raise ValueError(f"prompt compresses to {span} tokens but the ShadowKV pools hold "
-                             f"{capacity}; raise shadowkv_host_tokens")
-
-    def _alloc_segment(self, start: int, span: int) -> Segment | None:
-        """A segment for span tokens from start, evicting compressed tree leaves if the pools are full."""
-        outliers = self.cfg.num_outliers(span // self.cfg.chunk_size)
-        seg = self.store.alloc_segment(start, span, outliers)
-        if seg is None and self.tree.evictable_chunks:
-            self.tree.evict(0, span // self.cfg.chunk_size)
-            seg = self.store.alloc_segment(start, span, outliers)
-        return seg
+            raise ValueError(f"prompt compresses to {span} tokens but the ShadowKV host pool holds "
+                             f"{capacity}; raise shadowkv_host_tokens or shadowkv_host_mem_fraction")
 
     # ---- admission ----------------------------------------------------------------------------
-    def plan(self, req: Req, entries: list) -> ShadowKVReqState | None | bool:
-        """ShadowKV state for a request about to be admitted with the matched entries: None when
-        it stays plain dense, False when the pools are full (wait). A suffix over matched chunks
-        attends them exactly when it is long, or when the request scores its prompt (logprobs)."""
+    def plan(self, req: Req, entries: list, long_demand: int) -> AdmissionPlan | None:
+        """What admitting req with the matched entries takes (None: it stays plain dense).
+        long_demand: tokens of the long documents asked for at once (see the module docstring)."""
         matched_chunks = any(isinstance(e, ChunkRef) for e in entries)
         start = len(entries) * self.page_size
         own = self.cfg.compressed_len(len(req.input_ids) - start, self.page_size)
+        if own and self.policy == "tier" and long_demand <= EAGER_SHARE * self.pool.capacity * self.page_size:
+            own = 0  # it can be held dense: compressed later only if memory runs short
         if not matched_chunks and not own:
             return None
-        seg = self._alloc_segment(start, own) if own else None
-        row = self.decoder.alloc_row() if (seg is not None or not own) else None
+        extra = self.store.pages_for(own // self.cfg.chunk_size, self.cfg.num_outliers(own // self.cfg.chunk_size)) \
+            if own else 0
+        return AdmissionPlan(start, own, matched_chunks, extra)
+
+    def admit(self, req: Req, plan: AdmissionPlan, entries: list) -> ShadowKVReqState | None:
+        """Take the plan's segment and a scratch row (None, nothing taken, when either is short:
+        the request waits). A suffix over matched chunks attends them exactly when it is long, or
+        when the request scores its prompt (logprobs)."""
+        seg = None
+        if plan.own_span:
+            seg = self.store.alloc_segment(plan.start, plan.own_span, self.cfg.num_outliers(plan.own_span // self.cfg.chunk_size))
+            if seg is None:
+                return None
+        row = self.decoder.alloc_row()
         if row is None:
             if seg is not None:
                 self.store.free_segment(seg)
-            return False
+            return None
         state = ShadowKVReqState(row, seg)
-        if matched_chunks:
+        if plan.matched_chunks:
             state.layout = build_layout(entries, self.cfg.chunk_size)
-            suffix = len(req.input_ids) - start
+            suffix = len(req.input_ids) - plan.start
             state.exact_prefill = suffix > self.cfg.sparse_prefill_max or (
                 req.logprob is not None and not req.logprob.input_done)
             self.counters.compressed_prefix_hits += 1
@@ -102,19 +155,23 @@ class CompressedTier:
     def _swap_in_chunk_refs(self, req: Req, seg: Segment) -> None:
         """The segment is compressed: its span's dense pages are freed, ChunkRefs take their place."""
         first = seg.start // self.page_size
-        refs = self.store.chunk_refs(seg)
+        refs = self.new_refs(seg)
         self.pool.free(req.pages[first:first + len(refs)])
         req.pages[first:first + len(refs)] = refs
+        self.count_compression(seg)
+        logger.info("ShadowKV: compressed %d tokens of request %s, ranks per layer %s", seg.num_tokens, req.rid,
+                    seg.ranks)
+
+    def count_compression(self, seg: Segment) -> None:
         self.counters.compressions += 1
         self.counters.compressed_tokens += seg.num_tokens
         self.rank_totals = [t + r for t, r in zip(self.rank_totals, seg.ranks)]
         self.last_ranks = list(seg.ranks)
-        logger.info("ShadowKV: compressed %d tokens of request %s, ranks per layer %s", seg.num_tokens, req.rid,
-                    seg.ranks)
 
     # ---- release ------------------------------------------------------------------------------
     def before_release(self, req: Req) -> None:
-        """Report, free what only the request used, and compress a long own dense tail."""
+        """Report, free what only the request used, and (policy eager) compress a long own dense
+        tail (policy tier leaves that to the Demoter, once it is cold)."""
         st = req.shadowkv
         if st.layout is not None:
             req.shadowkv_info = self.report(req)
@@ -122,7 +179,7 @@ class CompressedTier:
             self.store.free_segment(st.segment)
             st.segment = None
         self.decoder.free_row(st.scratch_row)
-        if req.prompt_done and req.finish_reason.get("type") != "abort":
+        if self.demoter is None and req.prompt_done and req.finish_reason.get("type") != "abort":
             self._compress_tail(req)
 
     def _compress_tail(self, req: Req) -> None:
@@ -133,9 +190,9 @@ class CompressedTier:
         span = self.cfg.compressed_len((whole - first) * ps, ps)
         if span <= 0:
             return
-        seg = self._alloc_segment(first * ps, span)
+        seg = self.store.alloc_segment(first * ps, span, self.cfg.num_outliers(span // ps))
         if seg is None:
-            logger.info("ShadowKV pools full: request %s's dense tail stays dense", req.rid)
+            logger.info("no room to compress request %s's dense tail: it stays dense", req.rid)
             return
         self.runner.backend.compress_span(req.pool_row, seg)
         self.store.wait_host_writes()
@@ -147,38 +204,3 @@ class CompressedTier:
         dense_tokens = sum(isinstance(e, int) for e in req.pages) * self.page_size
         return request_report(self.store, self.decoder, req.shadowkv.layout, req.shadowkv.scratch_row,
                               dense_tokens, self.pool.bytes_per_token, req.num_computed)
-
-    def holders(self) -> dict:
-        """Who holds the compressed state, so that a leak shows: once idle, every segment, chunk
-        slot (one slot of each pool, host values included) and chunk reference is free or the
-        radix tree's, and every scratch row is free."""
-        in_tree = {id(e.segment): e.segment for e in self.tree.entries() if isinstance(e, ChunkRef)}
-        return {"segments": self.store.max_segments, "free_segments": self.store.free_segments,
-                "tree_segments": len(in_tree),
-                "chunk_slots": self.store.chunk_capacity, "free_chunk_slots": self.store.free_chunks,
-                "tree_chunk_slots": sum(seg.num_chunks for seg in in_tree.values()),
-                "chunk_refs": sum(seg.refs for seg in self.store.live.values()),
-                "tree_chunk_refs": self.tree.total_chunks,
-                "scratch_rows": self.decoder.max_rows, "free_scratch_rows": self.decoder.free_rows}
-
-    def server_stats(self, running: list[Req]) -> dict:
-        """Totals over running requests with a compressed prefix, the cache's compressed state,
-        pool capacity, and the cumulative counters."""
-        live = [r for r in running if r.shadowkv is not None and r.shadowkv.layout is not None]
-        reports = [self.report(r) for r in live]
-        total = {key: sum(r[key] for r in reports) for key in
-                 ("dense_kv_bytes", "gpu_compressed_bytes", "gpu_scratch_bytes", "gpu_total_bytes",
-                  "host_bytes", "full_kv_bytes", "chunk_cache_hits", "chunk_cache_lookups")}
-        total["gpu_saving_vs_full"] = total["full_kv_bytes"] / total["gpu_total_bytes"] if reports else 0.0
-        total["chunk_cache_hit_rate"] = (total["chunk_cache_hits"] / total["chunk_cache_lookups"]
-                                         if total["chunk_cache_lookups"] else 0.0)
-        done = max(1, self.counters.compressions)
-        return {"config": dataclasses.asdict(self.cfg), "running_compressed_requests": len(reports),
-                "ranks": {"last_per_layer": self.last_ranks,
-                          "mean_per_layer": [round(t / done, 2) for t in self.rank_totals]},
-                "budget": self.decoder.budget_stats(),
-                "running_total": total, "per_request": {r.rid: rep for r, rep in zip(live, reports)},
-                "pools": self.store.capacity_bytes(), "holders": self.holders(),
-                "radix_cache": {"compressed_tokens": self.tree.total_chunks * self.cfg.chunk_size,
-                                "evictable_compressed_tokens": self.tree.evictable_chunks * self.cfg.chunk_size},
-                **self.counters.as_dict()}

@@ -29,8 +29,11 @@ class StepCounters(Counters):
 
 @dataclass
 class CacheCounters(Counters):
-    """The cache's: prompt tokens the radix cache supplied, dense and compressed."""
+    """The cache's: prompt tokens the radix cache supplied (dense and compressed), requests that
+    found dense pages there, and prompt tokens prefilled again because the cache had dropped them."""
     cached_tokens: int = 0
+    dense_prefix_hits: int = 0
+    reprefilled_tokens: int = 0
 
 
 @dataclass
@@ -42,6 +45,14 @@ class CompressionCounters(Counters):
     tail_compressions: int = 0  # segments made of a finished request's long dense tail (a chat's growth)
     compressed_prefix_hits: int = 0  # requests that matched a compressed prefix
     compressed_tokens_reused: int = 0  # tokens of those prefixes
+
+
+@dataclass
+class DemotionCounters(Counters):
+    """The demoter's: dense spans of the cache turned compressed instead of dropped."""
+    demotions: int = 0
+    demoted_tokens: int = 0
+    demotions_abandoned: int = 0  # finished while requests kept using the span dense
 
 
 def merged(*owners: Counters) -> dict[str, int]:

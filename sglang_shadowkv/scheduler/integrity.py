@@ -1,10 +1,12 @@
 """Pool accounting, checked (mini-sglang's check_integrity): every dense page, compressed chunk
 slot, segment, scratch row and request row is free or held, and held by exactly one owner.
 
-Owners: the radix tree (its entries), and each running request (its own entries past the
-borrowed prefix, the copies it made of entries another request cached first, its segment being
-compressed, its scratch row and table row). A compressed segment's reference count must equal the
-chunk references that the tree and the requests hold. Run by the scheduler whenever it goes idle
+Owners: the radix tree (its entries), each running request (its own entries past the borrowed
+prefix, the copies it made of entries another request cached first, its segment being
+compressed, its scratch row and table row), each live compressed segment (its pages: compressed
+state lives in the dense pool's pages), a demotion under way (its segment) and the compressed
+pool itself (its null page). A compressed segment's reference count must equal the chunk
+references that the tree and the requests hold. Run by the scheduler whenever it goes idle
 with `--check-integrity` (tests turn it on), and by tests after random sequences of requests.
 """
 
@@ -25,8 +27,12 @@ def check_pools(cache: "CacheManager", running: list["Req"]) -> None:
     errors: list[str] = []
     tree_entries = list(cache.tree.entries())
     owned = [e for r in running for e in r.pages[r.num_borrowed:] + r.duplicate_entries]
-    _check_once(errors, "dense page", range(1, cache.pool.capacity + 1), cache.pool.free_ids(),
-                [e for e in tree_entries + owned if isinstance(e, int)])
+    compressed_pages = []
+    if cache.compressed is not None:
+        store = cache.compressed.store
+        compressed_pages = [store.null_page] + [p for seg in store.live.values() for p in seg.pages]
+    _check_once(errors, "page", range(1, cache.pool.capacity + 1), cache.pool.free_ids(),
+                [e for e in tree_entries + owned if isinstance(e, int)] + compressed_pages)
     _check_tree_counts(errors, cache, tree_entries)
     reserved = sum(r.reserved_pages for r in running)
     if reserved != cache.reserved_pages:
@@ -66,16 +72,18 @@ def _check_compressed(errors: list[str], cache: "CacheManager", tree_entries: li
     tier = cache.compressed
     store, decoder = tier.store, tier.decoder
     refs = Counter(id(e.segment) for e in tree_entries + owned if isinstance(e, ChunkRef))
+    unreferenced = {id(r.shadowkv.segment) for r in running if r.shadowkv is not None and r.shadowkv.segment}
+    unreferenced |= {id(seg) for seg in ([] if tier.demoter is None else tier.demoter.segments())}
     for seg in store.live.values():
-        compressing = any(r.shadowkv is not None and r.shadowkv.segment is seg for r in running)
-        if seg.refs != refs[id(seg)] or (seg.refs == 0 and not compressing):
+        if seg.refs != refs[id(seg)] or (seg.refs == 0 and id(seg) not in unreferenced):
             errors.append(f"segment {seg.seg_id} counts {seg.refs} references, {refs[id(seg)]} are held")
+    droppable = sum(len(seg.pages) for seg in store.live.values() if seg.droppable)
+    if droppable != tier.droppable_pages:
+        errors.append(f"droppable compressed pages: {tier.droppable_pages} counted, {droppable} marked")
     segments = list(store.live.values())
     free = store.free_ids()
     _check_once(errors, "segment", range(store.max_segments), free["segments"], [s.seg_id for s in segments])
-    _check_once(errors, "chunk slot", range(1, store.chunk_capacity + 1), free["chunk_slots"],
-                [slot for s in segments for slot in s.chunk_slots.tolist()])
-    _check_once(errors, "outlier block", range(1, store.outlier_capacity + 1), free["outlier_blocks"],
-                [b for s in segments for b in s.outlier_blocks.flatten().tolist()])
+    _check_once(errors, "host slot", range(1, store.chunk_capacity + 1), free["host_slots"],
+                [slot for s in segments for slot in s.host_slots])
     scratch = [r.shadowkv.scratch_row for r in running if r.shadowkv is not None]
     _check_once(errors, "scratch row", range(decoder.max_rows), decoder.free_row_ids(), scratch)

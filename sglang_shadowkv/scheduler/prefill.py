@@ -31,27 +31,47 @@ def common_prefix_len(a: list[int], b: list[int], block: int = 1024) -> int:
     return min(pos, n)
 
 
+def long_document_demand(reqs: list[Req], min_context: int) -> int:
+    """Tokens of the distinct long documents these requests hold dense or ask for (a document:
+    the first min_context tokens of a prompt at least that long)."""
+    seen, total = set(), 0
+    for req in reqs:
+        if len(req.input_ids) < min_context or (req.shadowkv is not None and req.shadowkv.layout is not None):
+            continue
+        if req.document_key is None:
+            req.document_key = hash(tuple(req.input_ids[:min_context]))
+        if req.document_key not in seen:
+            seen.add(req.document_key)
+            total += len(req.input_ids)
+    return total
+
+
 class PrefillManager:
     def __init__(self, cache: CacheManager, chunk_budget: int):
         self.cache, self.chunk_budget = cache, chunk_budget
+        compressed = cache.compressed
+        self.min_context = None if compressed is None else compressed.cfg.min_context
         self.waiting: deque[Req] = deque()  # not admitted yet, in arrival order
         self.prefilling: list[Req] = []  # admitted, prompt not fully computed, in admission order
         self.rejected: list[Req] = []  # dropped at admission (finish_reason says why); reported by the next step
 
-    def admit(self, free_places: int, nothing_in_flight: bool) -> None:
+    def admit(self, free_places: int, nothing_in_flight: bool, running: list[Req]) -> None:
         """Admit waiting requests in order while memory and free_places allow. One that shares a
         long prefix with a prompt still being prefilled waits for it (SGLang's in-batch prefix
         caching): that prompt goes to the radix cache when it completes, so a shared document is
         prefilled (and compressed) once however many of its requests arrive together.
         nothing_in_flight: no request runs and no step is pending, so nothing will free memory."""
         deferred = []
+        demand = None
         while self.waiting and free_places > 0:
             req = self.waiting.popleft()
             if any(shares_prefill(req, other) for other in self.prefilling):
                 deferred.append(req)
                 continue
-            if not self.cache.try_admit(req):
-                if self.cache.compressed is not None and nothing_in_flight:
+            if demand is None and self.min_context is not None:
+                demand = long_document_demand([*running, *self.prefilling, req, *self.waiting], self.min_context)
+            if not self.cache.try_admit(req, demand or 0):
+                if nothing_in_flight and self.cache.compressed is not None and not self.cache.demotion_can_help():
                     # nothing running will free the compressed pools: this request can never start
                     req.finish_reason = {"type": "abort", "message": "the ShadowKV pools are full"}
                     self.rejected.append(req)

@@ -125,7 +125,10 @@ class Scheduler:
         self.prefill.rejected.extend(failed)
         running = self.running
         self.prefill.admit(self.args.max_running_requests - len(running),
-                           nothing_in_flight=not running and self.pending is None)
+                           nothing_in_flight=not running and self.pending is None, running=running)
+        waiting = self.prefill.waiting
+        self.cache.maintain(self.cache.pages_for(waiting[0].max_total_len) if waiting else 0,
+                            idle=not self.running)
         updates = [ReqUpdate(req, [], True) for req in self.prefill.rejected]
         self.prefill.rejected.clear()
         if self.pending is not None and any(r.needs_host_tokens for r in self.decode.running):
@@ -199,7 +202,9 @@ class Scheduler:
 
     # ---- idle, cache, info --------------------------------------------------------------------
     def run_when_idle(self) -> None:
-        """With --check-integrity: check the pool accounting each time the scheduler goes idle."""
+        """Each time the scheduler goes idle: finish a demotion under way (nothing decodes to be
+        slowed), and with --check-integrity check the pool accounting."""
+        self.cache.maintain(0, idle=True)
         if self.args.check_integrity:
             self.cache.check_integrity(self.running)
 

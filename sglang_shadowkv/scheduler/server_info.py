@@ -34,11 +34,12 @@ def server_info(scheduler: "Scheduler") -> dict:
 
 
 def capacity(scheduler: "Scheduler") -> dict:
-    """How many documents of 16K, 32K and 128K tokens the pools hold at once, dense and (with
-    ShadowKV) compressed."""
+    """How many documents of 16K, 32K and 128K tokens the pool holds at once, dense and (with
+    ShadowKV) compressed, and how memory was planned."""
     runner = scheduler.runner
-    store = runner.compressed_pool
-    compressed = None if store is None else store.chunk_capacity * store.chunk_size
-    fit = documents_that_fit(runner.pool.capacity * scheduler.page_size, compressed,
-                             None if store is None else store.max_segments)
-    return fit if runner.memory_plan is None else {**fit, "memory_plan": runner.memory_plan}
+    store, cfg = runner.compressed_pool, runner.shadowkv_config
+    pages_for = None if store is None else (
+        lambda tokens: store.pages_for(tokens // cfg.chunk_size, cfg.num_outliers(tokens // cfg.chunk_size)))
+    fit = documents_that_fit(runner.pool.capacity * scheduler.page_size, pages_for, scheduler.page_size,
+                             0 if store is None else store.chunk_capacity)
+    return {**fit, "memory_plan": runner.memory_plan.as_dict()}

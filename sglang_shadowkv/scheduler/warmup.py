@@ -16,9 +16,9 @@ logger = logging.getLogger(__name__)
 
 
 def warm_up(scheduler: "Scheduler") -> None:
-    """A short prompt; with ShadowKV also a document long enough to be compressed, then a question
-    of two 64-query tiles over it (the sparse suffix prefill) and its sparse decode. The cache and
-    the counters are left as they were."""
+    """A short prompt; with ShadowKV also a document long enough to be compressed (compressed at
+    its prefill whatever the policy), then a question of two 64-query tiles over it (the sparse
+    suffix prefill) and its sparse decode. The cache and the counters are left as they were."""
     saved = [(counters, counters.as_dict()) for counters in scheduler.counter_sets]
     vocab, context = scheduler.vocab_size, scheduler.context_length
     low = min(1000, vocab // 4)
@@ -29,10 +29,17 @@ def warm_up(scheduler: "Scheduler") -> None:
         doc = ids[:compressed.cfg.min_context + 64]
         prompts = [doc, doc + ids[-100:]]
     start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        scheduler.add_request(f"warmup-{i}", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
-        while scheduler.has_work:
-            scheduler.step()
+    policy = None if compressed is None else compressed.policy
+    if compressed is not None:
+        compressed.policy = "eager"
+    try:
+        for i, prompt in enumerate(prompts):
+            scheduler.add_request(f"warmup-{i}", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+            while scheduler.has_work:
+                scheduler.step()
+    finally:
+        if compressed is not None:
+            compressed.policy = policy
     scheduler.flush_cache()
     for counters, snapshot in saved:
         counters.restore(snapshot)

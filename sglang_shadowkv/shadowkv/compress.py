@@ -150,10 +150,10 @@ def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.T
     rank = basis.shape[0]
     padded_basis = torch.zeros(pool.max_rank, h * d, device=basis.device)
     padded_basis[:rank] = basis
-    pool.basis[layer][seg.seg_id] = padded_basis.to(pool.dtype)
+    pool.write_basis(layer, seg, padded_basis)
     pool.basis_rank[layer][seg.seg_id] = rank
     with tf32_matmuls():
-        pool.a_rows[layer][pool.token_rows(seg)] = (k_pre @ padded_basis.T).to(pool.dtype)
+        pool.write_lowrank(layer, seg, k_pre @ padded_basis.T)
 
     landmarks, outlier_ids = chunk_landmarks_and_outliers(k_post, c, seg.num_outliers)
     pool.write_landmarks(layer, seg, landmarks)

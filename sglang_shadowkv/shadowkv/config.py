@@ -14,13 +14,19 @@ import math
 from dataclasses import dataclass
 
 PAPER_RANK, PAPER_KEY_DIMS = 160, 1024  # the paper's rank for an 8B model's 8 x 128 key dims
-DEFAULT_RANK_ENERGY = 0.999
+# 0.9999: a question over a cached compressed document attends rebuilt keys, and at 0.999 (ranks
+# 15-56 of 192 on the embedded model) its answers drifted from the same question sent cold (95% of
+# greedy tokens equal, 85% in multi-turn chats); at 0.9999 (24-118) they agree on every token
+# (benchmarks/hit_fidelity.py). The pools are as wide as the cap whatever the rank: no memory cost.
+DEFAULT_RANK_ENERGY = 0.9999
 DEFAULT_TOP_P = 0.98
 DEFAULT_MAX_BUDGET = 256
 LOWRANK_METHODS = ("auto", "eigh", "subspace", "svd")
+COMPRESS_POLICIES = ("tier", "eager")
 # None: the model dtype; int8: a scale per chunk and KV head. "auto" is resolved by the model runner:
 # int8 on a GPU (half the host memory and PCIe bytes of the values, half the landmarks' GPU bytes;
-# greedy agreement equal to bf16's in benchmarks/results/fidelity_*int8*), the model dtype on a CPU.
+# greedy agreement as bf16's: benchmarks/fidelity.py --shadowkv-value-dtype int8 measures it), the
+# model dtype on a CPU.
 # Names of torch dtypes, not dtypes: the server's HTTP process reads this file without torch.
 STORAGE_DTYPES = {"auto": None, "model": None, "int8": "int8"}
 
@@ -59,6 +65,10 @@ class ShadowKVConfig:
                                      "chunk, streamed; 0: always every chunk")
     rank_cap: int | None = _field(None, "most low-rank dims per layer, also the low-rank pool's width (default: "
                                   "160, scaled up with key dims past 1024)")
+    compress_policy: str = _field("tier", "tier: a document stays dense while the GPU holds it and is compressed "
+                                  "when memory runs short (least recently used first), or at its prefill when the "
+                                  "long documents asked for at once could never be held dense; eager: every prompt "
+                                  "of at least --shadowkv-min-context tokens is compressed at its prefill")
     top_p: float = _field(DEFAULT_TOP_P, "budget auto: score mass the selected chunks must hold")
     max_budget: int = _field(DEFAULT_MAX_BUDGET, "budget auto: most chunks selected per KV head and step "
                              "(the fixed shape of a step)")
@@ -84,6 +94,8 @@ class ShadowKVConfig:
             raise bad("local_window", "a non-negative int", self.local_window)
         if self.budget != "auto" and not 0.0 < self.budget <= 1.0:
             raise bad("budget", "'auto' or a fraction in (0, 1]", self.budget)
+        if self.compress_policy not in COMPRESS_POLICIES:
+            raise bad("compress_policy", f"one of {COMPRESS_POLICIES}", self.compress_policy)
         if self.lowrank_method not in LOWRANK_METHODS:
             raise bad("lowrank_method", f"one of {LOWRANK_METHODS}", self.lowrank_method)
         for name in ("value_dtype", "landmark_dtype"):

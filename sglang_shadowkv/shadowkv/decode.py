@@ -45,7 +45,7 @@ class SparseRequest:
 class StepPlan:
     """Per-step tables shared by all layers."""
     rows: torch.Tensor  # [B] int32 scratch rows
-    chunk_slots: torch.Tensor  # [B, N] int32, padded with slot 0 (never selectable)
+    chunk_slots: torch.Tensor  # [B, N] int32, padded with the pool's null slot (never selectable)
     outliers: torch.Tensor  # [B, Hkv, O] int32 outlier blocks, -1 padded
     outlier_lo: torch.Tensor  # [B, Hkv, O] a block counts if its chunk starts in [lo, hi)
     outlier_hi: torch.Tensor
@@ -68,13 +68,14 @@ class SparseDecoder:
         self.dummy_row = max_rows
         shape = (max_rows + 1, h, self.max_entries, c, d)
         gpu = dict(dtype=pool.dtype, device=pool.device)
-        layers = len(pool.a_rows)
+        layers = pool.num_layers
         # uninitialized: an entry is read only once written (held), and readers mask the rest; on a
         # CPU the pages of rows never used are then never touched (a server's default scratch is GBs)
         self.scratch_k = [torch.empty(shape, **gpu) for _ in range(layers)]
         self.scratch_v = [torch.empty(shape, **gpu) for _ in range(layers)]
         self.held = [torch.full(shape[:3], -1, dtype=torch.int64, device=pool.device) for _ in range(layers)]
         self.hits = torch.zeros(max_rows + 1, 2, dtype=torch.int64, device=pool.device)  # hits, lookups
+        self.finished_hits = torch.zeros(2, dtype=torch.int64, device=pool.device)
         # per scratch row and layer, how many KV-head steps selected k chunks (column k)
         self.budget_hist = torch.zeros(max_rows + 1, layers, self.max_entries + 1, dtype=torch.int64,
                                        device=pool.device)
@@ -111,11 +112,18 @@ class SparseDecoder:
 
     def free_row(self, row: int) -> None:
         self.finished_budget_hist += self.budget_hist[row]
+        self.finished_hits += self.hits[row]
         self._free_rows.append(row)
 
     def hit_counts(self, row: int) -> tuple[int, int]:
         hits, lookups = self.hits[row].tolist()
         return hits, lookups
+
+    def chunk_cache_stats(self) -> dict:
+        """Chunk-cache hits and lookups since start (finished and running requests): the share of
+        selected chunks that were already in a request's scratch from its previous step."""
+        hits, lookups = (self.finished_hits + self.hits[:self.dummy_row].sum(0)).tolist()
+        return {"hits": hits, "lookups": lookups, "hit_rate": hits / lookups if lookups else 0.0}
 
     def budget_stats(self, row: int | None = None) -> dict:
         """Chunks selected per KV head and step, per layer: of one scratch row, or of every request
@@ -133,7 +141,7 @@ class SparseDecoder:
             return torch.full(shape, fill, dtype=torch.int32, device=dev)
 
         self.graph_plan = StepPlan(
-            rows=ints(max_bs, fill=self.dummy_row), chunk_slots=ints(max_bs, self.max_chunks),
+            rows=ints(max_bs, fill=self.dummy_row), chunk_slots=ints(max_bs, self.max_chunks, fill=self.pool.null_slot),
             outliers=ints(max_bs, h, max_outliers, fill=-1), outlier_lo=ints(max_bs, h, max_outliers),
             outlier_hi=ints(max_bs, h, max_outliers), budgets=torch.zeros(max_bs, dtype=torch.int64, device=dev),
             top_k=0, window_indptr=ints(max_bs + 1), window_indices=ints(max_window_tokens))
@@ -185,7 +193,7 @@ class SparseDecoder:
         dev, b = self.pool.device, len(reqs)
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
         slots = pad_sequence([empty if r.layout is None else r.layout.chunk_slots for r in reqs]
-                             + [empty.new_zeros(width)], batch_first=True)[:b, :width].int()
+                             + [empty.new_zeros(width)], batch_first=True, padding_value=self.pool.null_slot)[:b, :width].int()
         outliers = pad_outliers([r.layout for r in reqs], self.pool.num_kv_heads, dev)
         budget_list = [0 if r.layout is None else self.cfg.budget_chunks(r.layout.num_chunks - r.layout.num_outliers)
                        for r in reqs]
@@ -281,7 +289,7 @@ class SparseDecoder:
         gather_fn = gv.gather_values if self.use_triton else gv.gather_values_reference
 
         def gather():
-            gather_fn(pool.host_v[layer], jobs, self.scratch_v[layer], rows,
+            gather_fn(pool.host_v[layer], pool.host_slot, jobs, self.scratch_v[layer], rows,
                       None if pool.value_scale is None else pool.value_scale[layer])
 
         if self.copy_stream is None:
@@ -293,8 +301,8 @@ class SparseDecoder:
                 gather()
             jobs.record_stream(self.copy_stream)
             rows.record_stream(self.copy_stream)
-        rebuild_fn(pool.a_rows[layer], pool.basis[layer], self.rotary.cos_cache, self.rotary.sin_cache,
-                   pool.chunk_pos, pool.chunk_basis, jobs, self.scratch_k[layer], rows, pool.chunk_size,
+        rebuild_fn(pool.a_lo[layer], pool.a_hi[layer], *pool.basis_memory(layer), self.rotary.cos_cache,
+                   self.rotary.sin_cache, pool.chunk_pos, pool.chunk_basis, jobs, self.scratch_k[layer], rows,
                    pool.basis_rank[layer])
         if self.copy_stream is not None:
             torch.cuda.current_stream(pool.device).wait_stream(self.copy_stream)

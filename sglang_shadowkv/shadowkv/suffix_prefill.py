@@ -58,7 +58,7 @@ class SuffixRound:
     q_valid: torch.Tensor  # [R, t] bool
     take: tuple[torch.Tensor, torch.Tensor]  # the valid tile rows: their flat positions in [R * t], their query rows
     rows: torch.Tensor  # [R] int32 scratch rows
-    chunk_slots: torch.Tensor  # [R, N] int32 (0-padded: slot 0 is never selectable)
+    chunk_slots: torch.Tensor  # [R, N] int32 (padded with the pool's null slot: never selectable)
     outliers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # [R, Hkv, O] blocks, lo, hi
     budgets: torch.Tensor  # [R]
     top_k: int
@@ -110,7 +110,8 @@ class SuffixPrefill:
         q_valid = torch.arange(width) < torch.tensor(counts)[:, None]
         layouts = [reqs[i].layout for i in members]
         budgets = [decoder.cfg.budget_chunks(lay.num_chunks - lay.num_outliers) for lay in layouts]
-        slots = pad_sequence([lay.chunk_slots.int() for lay in layouts], batch_first=True)
+        slots = pad_sequence([lay.chunk_slots.int() for lay in layouts], batch_first=True,
+                             padding_value=decoder.pool.null_slot)
         flat = torch.arange(q_index.numel()).view_as(q_index)
         take = (to_device(flat[q_valid], dev), to_device(q_index[q_valid], dev))  # here: no device sync
         return SuffixRound(to_device(torch.where(q_valid, q_index, q_index[:, :1]), dev), to_device(q_valid, dev), take,
@@ -149,9 +150,7 @@ class SuffixPrefill:
         masses = []
         for a, b in _groups(r, t * hq * n * 4 + n * h * d * 4):
             slots = rnd.chunk_slots[a:b].long()  # [r, N]
-            landmarks = pool.landmarks[layer][slots].float()  # [r, N, Hkv, D]
-            if pool.landmark_scale is not None:
-                landmarks = landmarks * pool.landmark_scale[layer][slots][..., None]
+            landmarks = pool.landmarks_of(layer, slots)  # [r, N, Hkv, D]
             q = qt[a:b].float().view(b - a, t, h, g, d).permute(0, 2, 1, 3, 4).reshape(b - a, h, t * g, d)
             with exact_bf16_matmul(q.is_cuda):
                 logits = q @ landmarks.permute(0, 2, 3, 1) * d ** -0.5  # [r, Hkv, t * G, N]

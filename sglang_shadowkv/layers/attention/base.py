@@ -104,6 +104,7 @@ class AttentionBackend(ABC):
     """
 
     supports_graphs = True
+    capturable = True  # False: its decode steps read host copies of the metadata, so graphs run them eagerly
 
     def __init__(self, pool: PagedKVPool, num_heads: int, head_dim: int):
         self.pool = pool
@@ -123,8 +124,12 @@ class AttentionBackend(ABC):
         self._graph_kv_indices = torch.zeros(max_kv_tokens, dtype=torch.int32, device=dev)
 
     def graph_variants(self) -> list:
-        """The shape variants to capture per batch size."""
+        """The shape variants a graph may have per batch size."""
         return [None]
+
+    def startup_graph_variants(self) -> list:
+        """The variants captured at startup; the others are captured on first use."""
+        return self.graph_variants()
 
     def graph_variant(self, batch: ForwardBatch):
         """The captured variant a padded decode batch replays with (NO_GRAPH: run it eagerly)."""

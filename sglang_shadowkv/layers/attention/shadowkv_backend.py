@@ -25,6 +25,7 @@ from sglang_shadowkv.shadowkv.suffix_prefill import SuffixPlan, SuffixPrefill, S
 
 from .base import NO_GRAPH, AttentionBackend, ForwardBatch
 
+DENSE_GRAPH = "dense"  # graph variants (DENSE_GRAPH, v): batches without a compressed prefix
 MIN_GRAPH_CHUNK_COLUMNS = 256
 GRAPH_OUTLIER_SEGMENTS = 2  # a decode graph holds the outliers of this many segments per request
 
@@ -34,6 +35,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
                  rotary: RotaryEmbedding, req_to_token: ReqToTokenPool, decoder: SparseDecoder):
         super().__init__(dense.pool, dense.num_heads, dense.head_dim)
         self.dense, self.store, self.cfg, self.rotary = dense, store, cfg, rotary
+        self.capturable = dense.capturable
         self.req_to_token, self.decoder = req_to_token, decoder
         self.suffix = SuffixPrefill(decoder, decoder.use_triton)
 
@@ -69,12 +71,15 @@ class ShadowKVAttentionBackend(AttentionBackend):
             return SparseRequest(batch.pool_rows[i], None, None, batch.seq_lens[i])
         return SparseRequest(batch.pool_rows[i], st.scratch_row, st.layout, batch.seq_lens[i])
 
-    # ---- CUDA-graph decode steps: every request through the sparse decoder -------------------------
+    # ---- CUDA-graph decode steps ------------------------------------------------------------------
     def init_graph_state(self, max_bs, max_kv_tokens, req_to_token):
-        """A dense request in a decode graph attends its whole sequence as its window, so one graph
-        serves compressed, dense and mixed batches. Graph shapes depend on the chunk columns of
-        the plan, so graphs are captured per power-of-two column count (a batch replays the
-        smallest that holds its longest compressed prefix; the softmax and top-k scale with it)."""
+        """A batch without a compressed prefix replays the dense backend's own graphs (exactly full
+        attention's step: documents the cache keeps dense cost nothing more). A batch with one goes
+        through the sparse decoder, where a dense request attends its whole sequence as its
+        window, so one graph serves compressed and mixed batches; its shapes depend on the chunk
+        columns of the plan, so those graphs are captured per power-of-two column count (a batch
+        replays the smallest that holds its longest compressed prefix)."""
+        self.dense.init_graph_state(max_bs, max_kv_tokens, req_to_token)
         self.decoder.init_graph_state(max_bs, max_kv_tokens, GRAPH_OUTLIER_SEGMENTS * self.cfg.outliers)
         widths, w = [], MIN_GRAPH_CHUNK_COLUMNS
         while w < self.decoder.max_chunks:
@@ -83,9 +88,17 @@ class ShadowKVAttentionBackend(AttentionBackend):
         self._graph_widths = widths + [self.decoder.max_chunks]
 
     def graph_variants(self) -> list:
-        return self._graph_widths
+        return [(DENSE_GRAPH, v) for v in self.dense.graph_variants()] + self._graph_widths
+
+    def startup_graph_variants(self) -> list:
+        """The dense graphs and the narrowest sparse ones (documents up to its width); wider
+        compressed prefixes capture theirs on first use, so startup stays short."""
+        return [(DENSE_GRAPH, v) for v in self.dense.startup_graph_variants()] + self._graph_widths[:1]
 
     def graph_variant(self, batch: ForwardBatch):
+        if not any(st is not None and st.layout is not None for st in batch.shadowkv or []):
+            variant = self.dense.graph_variant(batch)
+            return NO_GRAPH if variant is NO_GRAPH else (DENSE_GRAPH, variant)
         reqs = [self._sparse_request(batch, i) for i in range(batch.batch_size)]
         need = max((r.layout.num_chunks for r in reqs if r.layout is not None), default=0)
         width = next((w for w in self._graph_widths if w >= need), None)
@@ -94,6 +107,11 @@ class ShadowKVAttentionBackend(AttentionBackend):
         return width
 
     def begin_graph_step(self, batch: ForwardBatch, variant) -> None:
+        if isinstance(variant, tuple):  # (DENSE_GRAPH, the dense backend's variant)
+            self.dense.begin_graph_step(batch, variant[1])
+            self.dense_batch, self.dense_rows, self.plan, self.sparse_rows = batch, None, None, None
+            self.suffix_plan, self.to_compress = None, []
+            return
         reqs = [self._sparse_request(batch, i) for i in range(batch.batch_size)]
         self.plan = self.decoder.plan_step(self.req_to_token, reqs, width=variant, static=True)
         self.dense_batch = self.dense_rows = self.sparse_rows = None
@@ -118,7 +136,9 @@ class ShadowKVAttentionBackend(AttentionBackend):
         return out
 
     def _compress_layer(self, row: int, seg: Segment, layer: int) -> None:
-        slots = self.req_to_token.table[row, seg.start:seg.start + seg.num_tokens].long()
+        self._compress_slots(self.req_to_token.table[row, seg.start:seg.start + seg.num_tokens].long(), seg, layer)
+
+    def _compress_slots(self, slots: torch.Tensor, seg: Segment, layer: int) -> None:
         compress_layer(self.store, seg, layer, self.pool.k_buffers[layer][slots],
                        self.pool.v_buffers[layer][slots], self.rotary, self.cfg)
 
@@ -126,3 +146,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
         """Compress the segment's span of a request's dense KV, every layer (outside a step)."""
         for layer in range(len(self.pool.k_buffers)):
             self._compress_layer(row, seg, layer)
+
+    def compress_pages(self, pages: list[int], seg: Segment, layer: int) -> None:
+        """Compress one layer of the segment from dense pages of the cache (a demotion)."""
+        self._compress_slots(self.pool.slots_of_pages(pages, seg.num_tokens).to(self.pool.device), seg, layer)

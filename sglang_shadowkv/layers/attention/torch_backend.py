@@ -6,6 +6,8 @@ from .base import AttentionBackend
 
 
 class TorchAttentionBackend(AttentionBackend):
+    capturable = False  # the reference walks the ragged batch on the host (.tolist())
+
     def attend(self, q, layer, batch):
         return ragged_paged_attention_reference(
             q, self.pool.k_buffers[layer], self.pool.v_buffers[layer],

@@ -1,0 +1,153 @@
+"""Time to first token of one document, cold and on a cache hit, full attention against ShadowKV's
+compressed path, through the Engine at default flags (ShadowKV with compression forced).
+
+Per context L (tokens of a random document; at the context length, what leaves room for the question) and attention mode, on a fresh Engine:
+- `cold`: the document plus a 64-token question, one token out, on an empty cache (full: its dense
+  prefill; ShadowKV: the same prefill plus the compression of the document);
+- `hit`: another question on the cached document (full: a dense prefix hit; ShadowKV: a hit on
+  the compressed document, its sparse suffix prefill);
+- `hit_x16`: 16 questions at once on it, until the last first token.
+ShadowKV runs `--shadowkv-compress-policy eager`, so the document is compressed at its prefill
+(at the default policy, `tier`, it would stay dense and be served as full attention serves it:
+that path is full attention's). With `--profile`, torch.profiler then runs around another ShadowKV cold
+request and hit (not the timed ones), and the top ops by device and by host time go into the JSON: where the time goes.
+Each mode runs in its own process (one GPU's memory each), then the two are compared.
+
+    python benchmarks/cold_and_hit.py --model-path random:llama-3.1-8b --tokenizer-path DIR --profile
+    python benchmarks/cold_and_hit.py --contexts 1024 --model-path random:smollm2-135m   # CPU check
+
+Writes --out (default $OUT/cold_and_hit.json or benchmarks/results/cold_and_hit.json) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+QUESTION_TOKENS = 64
+CONCURRENT_QUESTIONS = 16
+
+
+def _tokens(rng, n: int, vocab: int) -> list[int]:
+    return rng.integers(100, vocab - 100, n).tolist()
+
+
+def _timed(engine, prompts: list[list[int]]) -> float:
+    sync = _device_sync(engine)
+    start = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, "temperature": 0})
+    sync()
+    return time.perf_counter() - start
+
+
+def _device_sync(engine):
+    import torch
+
+    cuda = engine.scheduler.runner.device.type == "cuda"
+    return torch.cuda.synchronize if cuda else (lambda: None)
+
+
+def _top_ops(prof, key: str, n: int = 12) -> list[dict]:
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:n]
+    return [{"op": e.key[:80], "ms": getattr(e, key) / 1e3, "calls": e.count} for e in rows]
+
+
+def _profiled(engine, prompts: list[list[int]]) -> tuple[float, dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.scheduler.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        seconds = _timed(engine, prompts)
+    device_key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return seconds, {"device_top": _top_ops(prof, device_key), "host_top": _top_ops(prof, "self_cpu_time_total")}
+
+
+def run_mode(args) -> dict:
+    """One attention mode on one fresh Engine: every context's cold, hit and hit_x16 times."""
+    import numpy as np
+
+    from sglang_shadowkv import Engine
+
+    kwargs = {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path}
+    if args.mode == "shadowkv":
+        kwargs["shadowkv_compress_policy"] = "eager"
+    with Engine(attention=args.mode, **{k: v for k, v in kwargs.items() if v is not None}) as engine:
+        vocab = engine.scheduler.vocab_size
+        rng = np.random.default_rng(0)
+        rows = []
+        for context in args.contexts:
+            engine.flush_cache()
+            doc = _tokens(rng, min(context, engine.scheduler.context_length - QUESTION_TOKENS - 1), vocab)
+            questions = [_tokens(rng, QUESTION_TOKENS, vocab) for _ in range(CONCURRENT_QUESTIONS + 1)]
+            cold = _timed(engine, [doc + questions[0]])
+            hit = _timed(engine, [doc + questions[1]])
+            hit_x16 = _timed(engine, [doc + q for q in questions[1:]])
+            stats = engine.get_server_info()["stats"]
+            row = {"context": context, "cold_s": cold, "hit_s": hit, "hit_x16_s": hit_x16,
+                   "compressed_prefix_hits": stats.get("compressed_prefix_hits")}
+            if args.profile and args.mode == "shadowkv":  # again, profiled (the timings above are not)
+                engine.flush_cache()
+                row["profile"] = {"cold": _profiled(engine, [doc + questions[0]])[1],
+                                  "hit": _profiled(engine, [doc + questions[2]])[1]}
+            rows.append(row)
+            print(f"[{args.mode}] {context:>7}: cold {cold:.3f} s, hit {hit * 1e3:.1f} ms, "
+                  f"16 hits {hit_x16 * 1e3:.1f} ms", flush=True)
+        info = engine.get_server_info()
+        return {"mode": args.mode, "device": info.get("device"), "rows": rows}
+
+
+def compare(modes: dict) -> list[dict]:
+    """ShadowKV's time over full attention's, per context and measure (lower is better)."""
+    full, skv = modes.get("full"), modes.get("shadowkv")
+    if not full or not skv:
+        return []
+    out = []
+    for f, s in zip(full["rows"], skv["rows"]):
+        out.append({"context": f["context"], **{k.replace("_s", ""): s[k] / f[k]
+                                                for k in ("cold_s", "hit_s", "hit_x16_s")}})
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M")
+    ap.add_argument("--tokenizer-path", default=None)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 131072])
+    ap.add_argument("--modes", nargs="+", default=["full", "shadowkv"], choices=["full", "shadowkv"])
+    ap.add_argument("--profile", action="store_true", help="torch.profiler around ShadowKV's cold request and hit")
+    ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.mode:
+        print("RESULT " + json.dumps(run_mode(args)), flush=True)
+        return {}
+    modes = {}
+    for mode in args.modes:  # one process per mode: each gets the whole GPU
+        cmd = [sys.executable, __file__, "--mode", mode, "--contexts", *map(str, args.contexts)]
+        cmd += [f"--{k}={v}" for k, v in (("model-path", args.model_path), ("tokenizer-path", args.tokenizer_path))
+                if v is not None] + (["--profile"] if args.profile else [])
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        sys.stdout.write("".join(line + "\n" for line in run.stdout.splitlines() if not line.startswith("RESULT ")))
+        result = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+        if run.returncode != 0 or not result:
+            raise SystemExit(f"{mode} failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+        modes[mode] = json.loads(result[-1][len("RESULT "):])
+    report = {"model_path": args.model_path or "embedded", "question_tokens": QUESTION_TOKENS,
+              "modes": modes, "shadowkv_over_full": compare(modes)}
+    out = args.out or os.path.join(os.environ.get("OUT", os.path.join("benchmarks", "results")), "cold_and_hit.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{'context':>8} | ShadowKV / full: cold | hit | 16 hits")
+    for r in report["shadowkv_over_full"]:
+        print(f"{r['context']:>8} | {r['cold']:.2f} | {r['hit']:.2f} | {r['hit_x16']:.2f}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

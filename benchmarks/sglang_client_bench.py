@@ -1,0 +1,177 @@
+"""SGLang's own serving benchmark client (`sglang.benchmark.serving`, generated-shared-prefix
+workloads, chat backend) against this server, each attention mode at default flags, documents
+arriving cold as users send them (their first prefill and compression inside the clock).
+
+    python benchmarks/sglang_client_bench.py --client PATH/TO/sglang_bench.py --tokenizer TOK \\
+        --model-path random:llama-3.1-8b --modes full shadowkv --out benchmarks/results/sglang_bench_h100.json
+
+Per mode: one server (its own process group), every workload in order with /flush_cache between,
+the client's result line and the server's counters after each. The JSON names the device, the
+client's arguments per workload, and ShadowKV's ratios to full attention where both ran.
+`--client` is a script running `sglang.benchmark.serving.cli_main` (SGLang's own `python -m
+sglang.bench_serving` works the same way where SGLang is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from sglang_shadowkv.testing.live_server import LiveServer
+
+# name: generated-shared-prefix workload (the issue's cases; 'chat' turns hold one concurrency slot each)
+WORKLOADS = {
+    "shared_32k": dict(groups=4, per_group=8, doc=32768, output=64, concurrency=8),
+    "shared_16k": dict(groups=8, per_group=4, doc=16384, output=64, concurrency=8),
+    "many_16k": dict(groups=40, per_group=2, doc=16384, output=32, concurrency=16),
+    "chat_16k": dict(groups=48, per_group=1, turns=4, doc=16384, output=32, concurrency=48),
+    "tiny": dict(groups=2, per_group=2, turns=2, doc=600, output=8, concurrency=2),  # seconds on a CPU
+}
+QUESTION_TOKENS = 64
+METRICS = ("duration", "completed", "output_throughput", "total_throughput", "median_ttft_ms", "p90_ttft_ms",
+           "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_e2e_latency_ms", "p99_e2e_latency_ms",
+           "total_input_tokens", "total_output_tokens")
+COUNTERS = ("prefill_tokens", "cached_tokens", "dense_prefix_hits", "reprefilled_tokens", "compressions",
+            "compressed_requests", "compressed_prefix_hits", "demotions", "demoted_tokens")
+
+
+def client_args(workload: dict, url: str, model: str, tokenizer: str, output_file: str) -> list[str]:
+    args = ["--base-url", url, "--model", model, "--backend", "sglang-oai-chat", "--tokenizer", tokenizer,
+            "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(workload["groups"]),
+            "--gsp-prompts-per-group", str(workload["per_group"]), "--gsp-system-prompt-len", str(workload["doc"]),
+            "--gsp-question-len", str(QUESTION_TOKENS), "--gsp-output-len", str(workload["output"]),
+            "--max-concurrency", str(workload["concurrency"]), "--output-file", output_file, "--disable-tqdm",
+            "--seed", "1"]
+    return args + (["--gsp-num-turns", str(workload["turns"])] if "turns" in workload else [])
+
+
+def server_counters(url: str) -> dict:
+    info = httpx.get(url + "/get_server_info", timeout=60).json()
+    out = {k: info["stats"].get(k) for k in COUNTERS if k in info["stats"]}
+    if info.get("shadowkv"):
+        out.update({k: info["shadowkv"][k] for k in COUNTERS if k in info["shadowkv"]})
+        out["chunk_cache"] = info["shadowkv"]["chunk_cache"]
+    return out
+
+
+def run_mode(mode: str, args, workdir: Path) -> dict:
+    flags = ["--attention", mode, "--tokenizer-path", args.tokenizer, "--served-model-name", "bench",
+             "--log-level", "info", *(["--model-path", args.model_path] if args.model_path else []), *args.server_flag]
+    started = time.perf_counter()
+    result = {"server_flags": flags, "workloads": {}}
+    server = LiveServer(*flags)
+    try:
+        server.wait_healthy(args.startup_timeout)
+        info = httpx.get(server.url + "/get_server_info", timeout=60).json()
+        result.update(startup_s=round(time.perf_counter() - started, 1), device=device_name(info["device"]),
+                      capacity=info["capacity"], graphs=info["steps"]["cuda_graph"])
+        for name in args.workloads:
+            httpx.post(server.url + "/flush_cache", timeout=60)
+            before = server_counters(server.url)
+            out_file = workdir / f"{mode}_{name}.jsonl"
+            cargs = client_args(WORKLOADS[name], server.url, "bench", args.tokenizer, str(out_file))
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run([sys.executable, args.client, *cargs], capture_output=True, text=True,
+                                      timeout=args.workload_timeout)
+            except subprocess.TimeoutExpired as err:
+                proc = subprocess.CompletedProcess(err.cmd, -9, str(err.stdout or ""), f"timed out after {err.timeout} s")
+            after = server_counters(server.url)
+            line = out_file.read_text().strip().splitlines()[-1] if out_file.exists() else "{}"
+            client = json.loads(line)
+            result["workloads"][name] = {
+                "client_args": cargs, "returncode": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1),
+                **{k: client.get(k) for k in METRICS},
+                "server": {k: (after[k] - before[k]) if isinstance(after.get(k), int) else after.get(k)
+                           for k in after},
+                "client_tail": proc.stdout[-1500:] if proc.returncode else "",
+                "client_stderr_tail": proc.stderr[-1500:] if proc.returncode else ""}
+            print(f"{mode:9s} {name:11s} " + summary_line(result["workloads"][name]), flush=True)
+    finally:
+        result["server_log_tail"] = server.output()[-4000:]
+        server.kill_group()
+    return result
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device.startswith("cuda") else device
+
+
+def summary_line(w: dict) -> str:
+    if not w.get("completed"):
+        return f"rc={w['returncode']} (no result) {w['client_stderr_tail'][-300:]}"
+    return (f"out {w['output_throughput']:.1f} tok/s  TTFT p50/p90/p99 {w['median_ttft_ms'] / 1e3:.2f}/"
+            f"{w['p90_ttft_ms'] / 1e3:.2f}/{w['p99_ttft_ms'] / 1e3:.2f} s  ITL p50/p99 {w['median_itl_ms']:.1f}/"
+            f"{w['p99_itl_ms']:.1f} ms  prefilled {w['server'].get('prefill_tokens')}")
+
+
+def ratios(report: dict) -> dict:
+    """ShadowKV / full per workload: throughput (higher is better), TTFT and ITL (lower is better)."""
+    full, skv = report["modes"].get("full"), report["modes"].get("shadowkv")
+    if not full or not skv:
+        return {}
+    out = {}
+    for name, s in skv["workloads"].items():
+        f = full["workloads"].get(name)
+        if not f or not f.get("completed") or not s.get("completed"):
+            continue
+        out[name] = {"output_throughput": s["output_throughput"] / f["output_throughput"],
+                     **{k: s[k] / f[k] for k in ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_itl_ms",
+                                                 "p99_itl_ms") if f[k]}}
+    return out
+
+
+def merge_reports(parts: list[dict]) -> dict:
+    """One report from parts run in separate device calls: a mode's workloads are gathered from every
+    part that ran it (the rest of a mode's record, its server start, comes from its first part)."""
+    report = {"modes": {}}
+    for part in parts:
+        report.update({k: v for k, v in part.items() if k not in ("modes", "shadowkv_vs_full")})
+        for mode, record in part["modes"].items():
+            merged = report["modes"].setdefault(mode, {**record, "workloads": {}})
+            merged["workloads"].update(record["workloads"])
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--client", help="script that runs sglang.benchmark.serving's cli_main (required to run)")
+    parser.add_argument("--tokenizer", help="tokenizer folder, the client's and the server's (required to run)")
+    parser.add_argument("--model-path", default="random:llama-3.1-8b", help="'' for the embedded model")
+    parser.add_argument("--modes", nargs="+", default=["full", "shadowkv"], choices=["full", "shadowkv"])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--server-flag", action="append", default=[], help="extra server flag (repeatable)")
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--workload-timeout", type=float, default=300)
+    parser.add_argument("--merge", nargs="+", help="merge these reports (one per mode) instead of running")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.merge:
+        report = merge_reports([json.loads(Path(part).read_text()) for part in args.merge])
+    else:
+        if not args.client or not args.tokenizer:
+            parser.error("--client and --tokenizer are required unless --merge is given")
+        workdir = Path(args.out).parent
+        workdir.mkdir(parents=True, exist_ok=True)
+        report = {"client": "sglang.benchmark.serving (sglang 0.5.23), backend sglang-oai-chat, "
+                            "dataset generated-shared-prefix, documents cold",
+                  "model_path": args.model_path, "modes": {}}
+        for mode in args.modes:
+            report["modes"][mode] = run_mode(mode, args, workdir)
+    report["shadowkv_vs_full"] = ratios(report)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    for name, r in report["shadowkv_vs_full"].items():
+        print(f"shadowkv/full {name:11s} " + "  ".join(f"{k} {v:.2f}" for k, v in r.items()))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# SGLang's own serving client against this server on the lent H100 (random-weight Llama-3.1-8B shape,
+# FlashInfer), one part per device call (each under the 10-minute limit; a machine kept warm keeps
+# /tmp and FlashInfer's JIT cache between calls made within 30 s of each other):
+#   bash maintainers/lent_gpu/gpu_sglang_bench.sh install1          # carry .whl-fi1
+#   bash maintainers/lent_gpu/gpu_sglang_bench.sh check             # carry .whl-fi2 .whl-srv .whl-bench .whl-test .sglmin .tok
+#   bash maintainers/lent_gpu/gpu_sglang_bench.sh MODE TAG WORKLOAD...   # full|shadowkv; same carries
+#   bash maintainers/lent_gpu/gpu_sglang_bench.sh script benchmarks/X.py ARGS...  # any benchmark; same carries
+# Staging here first (see ../shared/device/): fetch_flashinfer_wheels.sh, fetch_server_wheels.sh,
+# stage_sglang_bench.sh, the embedded tokenizer saved to .tok, pytest and hypothesis wheels in .whl-test.
+# Then here: python benchmarks/sglang_client_bench.py --merge sglang_bench_*.json --out benchmarks/results/...
+set -u
+cd "$(dirname "$0")/../.." || exit 1  # the repository root
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 MAX_JOBS=16
+install() {
+  [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    .whl-fi2/*.whl .whl-srv/*.whl .whl-bench/*.whl .whl-test/*.whl
+}
+case "$1" in
+  install1) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-fi1/*.whl; echo "rc=$?" ;;
+  check) install
+         nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+         timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_shadowkv_kernels.py 2>&1 | tail -15 ;;
+  script)
+    install; shift
+    timeout 570 python3 "$@" 2>&1 | tail -40; echo "rc=${PIPESTATUS[0]}" ;;
+  full|shadowkv)
+    install
+    mode=$1 tag=$2; shift 2
+    timeout 570 python3 benchmarks/sglang_client_bench.py --client .sglmin/sglang_bench.py --tokenizer "$PWD/.tok" \
+      --modes "$mode" --workloads "$@" --out "$OUT/sglang_bench_${mode}_$tag.json" > "$OUT/sglang_bench_${mode}_$tag.log" 2>&1
+    echo "rc=$?"; tail -12 "$OUT/sglang_bench_${mode}_$tag.log" ;;
+esac

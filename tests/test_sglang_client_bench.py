@@ -1,0 +1,22 @@
+"""benchmarks/sglang_client_bench.py's report: parts run in separate device calls merge into one
+comparison, a mode's workloads gathered from every part that ran it."""
+
+from benchmarks.sglang_client_bench import merge_reports, ratios
+
+
+def _workload(tok_s: float, ttft_ms: float) -> dict:
+    keys = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
+    return {"completed": 8, "output_throughput": tok_s, **{k: ttft_ms for k in keys}}
+
+
+def test_parts_of_one_mode_merge_and_the_ratios_cover_every_workload():
+    parts = [{"client": "c", "modes": {"full": {"startup_s": 1.0, "workloads": {"a": _workload(100, 10)}}}},
+             {"client": "c", "modes": {"full": {"startup_s": 2.0, "workloads": {"b": _workload(50, 20)}}}},
+             {"client": "c", "modes": {"shadowkv": {"startup_s": 3.0, "workloads": {"a": _workload(90, 11),
+                                                                                    "b": _workload(100, 10)}}}}]
+    report = merge_reports(parts)
+    assert set(report["modes"]["full"]["workloads"]) == {"a", "b"}
+    assert report["modes"]["full"]["startup_s"] == 1.0 and report["client"] == "c"
+    r = ratios(report)
+    assert r["a"]["output_throughput"] == 0.9 and r["b"]["output_throughput"] == 2.0
+    assert r["b"]["median_ttft_ms"] == 0.5 and r["a"]["p99_ttft_ms"] == 1.1

@@ -1,0 +1,239 @@
+"""Compression as a tier of the radix cache (policy "tier", the default): documents stay dense while
+the pool holds them, the least recently used are demoted to compressed form when it does not, a
+question on a hot document is served exactly as full attention serves it and one on a demoted
+document hits it compressed; pool accounting holds after any sequence of requests, demotions,
+aborts and evictions. On the tiny random model (rank 8: four chunks a page), so steps are fast."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sglang_shadowkv import Engine
+from sglang_shadowkv.sampling_params import SamplingParams
+from sglang_shadowkv.scheduler import demotion
+
+DOC_TOKENS = 600
+TIER = dict(attention="shadowkv", shadowkv_min_context=256, shadowkv_local_window=16, shadowkv_rank_cap=8,
+            shadowkv_outliers=2, shadowkv_max_budget=32, shadowkv_min_budget_chunks=8, chunked_prefill_size=256,
+            check_integrity=True)
+GREEDY = {"max_new_tokens": 6, "temperature": 0}
+
+
+def document(i: int) -> list[int]:
+    return [2 + (i * 131 + j * 7) % 500 for j in range(DOC_TOKENS)]
+
+
+def question(i: int) -> list[int]:
+    return [2 + (i * 17 + j) % 500 for j in range(12)]
+
+
+def tier_counters(engine) -> dict:
+    info = engine.get_server_info()
+    return {**info["stats"], **{k: info["shadowkv"][k] for k in ("demotions", "demoted_tokens")}}
+
+
+@pytest.fixture(scope="module")
+def tiny_tier(tiny_model_path):
+    """A pool of 2400 tokens: three of the 600-token documents dense, with room for questions."""
+    with Engine(model_path=tiny_model_path, max_total_tokens=2400, **TIER) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def tiny_full(tiny_model_path):
+    with Engine(model_path=tiny_model_path, max_total_tokens=16384, chunked_prefill_size=256) as engine:
+        yield engine
+
+
+def test_documents_stay_dense_while_they_fit_and_answer_as_full_attention(tiny_tier, tiny_full):
+    tiny_tier.flush_cache()
+    for i in range(2):
+        tiny_tier.generate(input_ids=document(i) + question(i), sampling_params=GREEDY)
+    before = tier_counters(tiny_tier)
+    hot = tiny_tier.generate(input_ids=document(0) + question(9), sampling_params=GREEDY)
+    after = tier_counters(tiny_tier)
+    assert after["compressions"] == after["demotions"] == 0  # nothing compressed: it all fits
+    assert after["dense_prefix_hits"] == before["dense_prefix_hits"] + 1
+    assert hot["meta_info"]["cached_tokens"] >= DOC_TOKENS - 8 and hot["meta_info"]["shadowkv"]["compressed_tokens"] == 0
+    want = tiny_full.generate(input_ids=document(0) + question(9), sampling_params=GREEDY)
+    assert hot["output_ids"] == want["output_ids"]  # a dense hit is full attention, token for token
+
+
+def test_new_documents_demote_the_least_recently_used_and_a_question_hits_it_compressed(tiny_tier):
+    tiny_tier.flush_cache()
+    for i in range(5):  # five documents through a pool that holds three dense
+        tiny_tier.generate(input_ids=document(i) + question(i), sampling_params=GREEDY)
+    mid = tier_counters(tiny_tier)
+    assert mid["demotions"] >= 2 and mid["demoted_tokens"] >= 2 * 512
+    assert mid["reprefilled_tokens"] == 0
+    out = tiny_tier.generate(input_ids=document(0) + question(7), sampling_params=GREEDY)  # the oldest
+    after = tier_counters(tiny_tier)
+    assert after["compressed_prefix_hits"] == mid["compressed_prefix_hits"] + 1
+    assert out["meta_info"]["shadowkv"]["compressed_tokens"] >= 512  # its compressed span
+    assert out["meta_info"]["cached_tokens"] >= DOC_TOKENS - 8  # nothing prefilled again
+    assert after["prefill_tokens"] - mid["prefill_tokens"] == DOC_TOKENS + 12 - out["meta_info"]["cached_tokens"]
+
+
+def test_demotion_works_a_few_layers_per_step_while_requests_decode(tiny_tier, monkeypatch):
+    """A demotion started while a request decodes advances by its per-step share of work (here
+    one layer a step), between the request's decode steps, not all at once."""
+    monkeypatch.setattr(demotion, "TOKEN_LAYERS_PER_STEP", 1)  # one layer a step on this 2-layer model
+    tiny_tier.flush_cache()
+    sched = tiny_tier.scheduler
+    for i in range(3):
+        tiny_tier.generate(input_ids=document(i) + question(i), sampling_params=GREEDY)
+    demoter = sched.cache.compressed.demoter
+    before = demoter.counters.demotions
+    req = sched.add_request("long", document(3)[:300], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    seen = []  # (layer of the running job, tokens the request has) after each step
+    while sched.has_work:
+        sched.step()
+        if demoter.job is not None:
+            seen.append((demoter.job.layer, req.num_computed))
+    assert req.finished and demoter.counters.demotions > before
+    assert (1, req.num_computed) not in seen  # the job was under way while the request still decoded
+    assert any(layer == 1 for layer, _ in seen)  # one layer done, one to go: it took several steps
+
+
+def test_long_documents_asked_at_once_beyond_the_pool_are_compressed_at_prefill(tiny_tier):
+    tiny_tier.flush_cache()
+    before = tier_counters(tiny_tier)
+    prompts = [document(10 + i) + question(i) for i in range(4)]  # 2448 tokens asked at once > 0.8 of 2400
+    tiny_tier.generate(input_ids=prompts, sampling_params=[GREEDY] * 4)
+    after = tier_counters(tiny_tier)
+    assert after["compressed_requests"] - before["compressed_requests"] >= 1
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["doc", "doc", "doc", "short", "step", "step", "abort", "flush", "evict"]),
+                         st.integers(0, 5), st.integers(1, 8)), min_size=4, max_size=30)
+
+
+@pytest.fixture(scope="module")
+def tiny_tight(tiny_model_path):
+    """Two of the documents dense at most: most sequences demote."""
+    with Engine(model_path=tiny_model_path, max_total_tokens=1700, **TIER) as engine:
+        yield engine
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(OPS)
+def test_pool_accounting_holds_after_any_sequence(tiny_tight, ops):
+    """Requests on six documents (some demoted, some hit dense or compressed), partial steps,
+    aborts mid-prefill or mid-decode, flushes and evictions: after each, every page, compressed
+    slot, segment and row is free or owned exactly once."""
+    sched = tiny_tight.scheduler
+    n = 0
+    for op, doc, count in ops:
+        if op in ("doc", "short"):
+            ids = document(doc) + question(count) if op == "doc" else question(count)
+            sched.add_request(f"p{n}", ids, SamplingParams(max_new_tokens=count, ignore_eos=True))
+            n += 1
+        elif op == "step":
+            for _ in range(count):
+                sched.step()
+        elif op == "abort" and sched.running:
+            sched.abort(sched.running[count % len(sched.running)].rid)
+        elif op == "flush":
+            sched.flush_cache()
+        elif op == "evict" and not sched.running:
+            sched.cache.make_room(sched.pool.capacity)
+        sched.cache.check_integrity(sched.running)
+    while sched.has_work:
+        sched.step()
+        sched.cache.check_integrity(sched.running)
+    sched.run_when_idle()
+    sched.cache.check_integrity(sched.running)
+    assert sched.flush_cache()
+    sched.cache.check_integrity([])
+
+
+def test_demotion_waits_for_readers_and_survives_aborts_flushes_and_evictions(tiny_tight, monkeypatch):
+    """A request that matches a span being demoted reads it dense and the swap waits for it; an
+    abort, a flush mid-demotion (the job is given up) and evicting everything leave the pools
+    whole at every step."""
+    monkeypatch.setattr(demotion, "TOKEN_LAYERS_PER_STEP", 1)
+    engine, sched = tiny_tight, tiny_tight.scheduler
+    demoter = sched.cache.compressed.demoter
+
+    def step_until(done, limit=200):
+        for _ in range(limit):
+            if done():
+                return
+            sched.step()
+            sched.cache.check_integrity(sched.running)
+        raise AssertionError("did not happen within the step limit")
+
+    def add(rid, ids, n=30):
+        return sched.add_request(rid, ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+    engine.flush_cache()
+    for i in range(2):
+        engine.generate(input_ids=document(i) + question(i), sampling_params=GREEDY)
+    add("busy", question(1), 200)  # something decodes all along: demotion goes a layer a step
+    sched.step()
+    sched.cache.maintain(sched.pool.capacity, idle=False)  # as if a large request waited: a job starts
+    assert demoter.job is not None and demoter.job.layer == 1 and demoter.job.start == 0
+    span = demoter.job.num_tokens
+    reader = add("reader", document(0) + question(5))  # the least recently used: the span being demoted
+    step_until(lambda: reader.prompt_done)
+    step_until(lambda: demoter.job.layer == 2)
+    for _ in range(3):
+        sched.step()
+    assert demoter.job is not None  # compressed, waiting for the reader, which reads it dense
+    assert reader.cached_tokens >= DOC_TOKENS - 8 and reader.shadowkv is None
+    assert sched.abort("reader")
+    step_until(lambda: demoter.job is None)
+    assert demoter.counters.demoted_tokens >= span
+    reprefilled = sched.cache.counters.reprefilled_tokens  # the counters run since the engine started
+    add("third", document(2) + question(2))  # waits for a demotion of doc 1 rather than dropping it
+    step_until(lambda: sched.prefill.waiting and demoter.job is not None or not sched.prefill.waiting)
+    step_until(lambda: not sched.prefill.waiting)
+    assert sched.cache.counters.reprefilled_tokens == reprefilled and sched.cache.tree.total_chunks > 0
+    add("fourth", document(3) + question(3))
+    step_until(lambda: demoter.job is not None or not sched.prefill.waiting)
+    assert engine.scheduler.abort("busy")
+    step_until(lambda: not sched.has_work)
+    assert engine.flush_cache()  # gives up a job still under way, if any
+    assert demoter.job is None
+    sched.cache.check_integrity([])
+    for i in range(4):
+        engine.generate(input_ids=document(i) + question(i), sampling_params=GREEDY)
+    sched.cache.make_room(sched.pool.capacity)  # evict everything: dense first, compressed last
+    sched.cache.check_integrity([])
+    assert sched.cache.tree.total_pages == sched.cache.tree.total_chunks == 0
+    assert sched.pool.num_free == sched.pool.capacity - 1  # all but the compressed pool's null page
+
+
+def test_warmup_compresses_whatever_the_policy(tiny_tier, monkeypatch):
+    """The GPU server's warmup compiles the compressed path's kernels: under the tier policy too it
+    compresses its document, then leaves the policy, the cache and the counters as they were."""
+    from sglang_shadowkv.scheduler.warmup import warm_up
+
+    sched = tiny_tier.scheduler
+    tier = sched.cache.compressed
+    calls = []
+    monkeypatch.setattr(tier, "count_compression", lambda seg: calls.append(seg.num_tokens))
+    tiny_tier.flush_cache()
+    before = dict(sched.stats)
+    warm_up(sched)
+    assert calls and tier.policy == "tier" and dict(sched.stats) == before
+    assert sched.cache.tree.total_pages == sched.cache.tree.total_chunks == 0
+
+
+def test_the_integrity_check_catches_a_leaked_page_and_a_segment_page_freed_twice(tiny_tier):
+    """The idle-time check (`--check-integrity`) is not vacuous: a page taken and never owned, and a
+    compressed segment's page handed back to the free list while the segment lives, both raise."""
+    engine, sched = tiny_tier, tiny_tier.scheduler
+    engine.generate(input_ids=document(7) + question(7), sampling_params=GREEDY)
+    sched.run_when_idle()  # whole: passes
+    leaked = sched.pool.alloc(1)
+    with pytest.raises(RuntimeError, match="page"):
+        sched.run_when_idle()
+    sched.pool.free(leaked)
+    sched.run_when_idle()
+    store = sched.cache.compressed.store
+    sched.pool.free([store.null_page])  # the compressed pool's page, also on the free list
+    with pytest.raises(RuntimeError, match="page"):
+        sched.run_when_idle()
+    assert sched.pool.alloc(1) == [store.null_page]  # taken back (a LIFO free list): whole again
+    sched.run_when_idle()
