@@ -72,6 +72,10 @@ def test_shadowkv_metrics_follow_server_info(tiny_model_path):
     assert got["shadowkv:host_compressed_bytes"] == pools["segment_host_bytes"] > 0
     assert got["shadowkv:chunk_slot_usage"] == pytest.approx(1 - pools["free_chunk_slots"] / pools["chunk_slots"])
     assert got["shadowkv:chunk_cache_hit_rate"] == 0.0  # nothing running
+    budget = skv["budget"]  # the selected-set histogram over every decode step so far
+    assert got["shadowkv:selected_chunks_count"] == budget["head_steps"] > 0
+    assert got["shadowkv:selected_chunks_sum"] == pytest.approx(budget["mean_chunks"] * budget["head_steps"])
+    assert got["shadowkv:chunk_cache_lookups_total"] == skv["chunk_cache"]["lookups"] > 0
 
 
 def test_metrics_route_exists_only_when_enabled(tmp_path):

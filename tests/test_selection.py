@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
-from sglang_shadowkv.shadowkv.decode import budget_summary
-from sglang_shadowkv.shadowkv.selection import select_chunks, select_chunks_reference
+from sglang_shadowkv.shadowkv.selection import budget_summary, select_chunks, select_chunks_reference
 from sglang_shadowkv.shadowkv.selection_report import bound_logits, format_report, layer_report
 
 
@@ -114,7 +113,7 @@ def test_selection_report_recall_and_errors():
     assert recalls["oracle"] == pytest.approx(float(held.mean()), abs=1e-5)
 
 
-def test_budget_summary_mean_and_p99():
+def test_budget_summary_mean_p99_and_histogram():
     gen = torch.Generator().manual_seed(3)
     counts = torch.randint(0, 33, (3, 500), generator=gen)
     counts[1] = 7
@@ -125,6 +124,8 @@ def test_budget_summary_mean_and_p99():
     want_p99 = [int(sorted(row)[int(0.99 * 500) - 1]) for row in counts.tolist()]  # the 495th of 500
     assert got["p99_chunks_per_layer"] == want_p99 and got["p99_chunks_per_layer"][1] == 7
     assert got["head_steps"] == 1500 and got["max_chunks"] == 32
+    flat = counts.flatten()
+    assert got["histogram"] == {"le": [16, 32], "head_steps": [int((flat <= 16).sum()), 1500]}
 
 
 def test_budget_counting_is_per_row_layer_and_head():

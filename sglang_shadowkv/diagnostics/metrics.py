@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from sglang_shadowkv.managers.io_struct import TextOut
@@ -147,6 +147,13 @@ class SchedulerStateCollector(Collector):
                     cache["hits"])
             counter("shadowkv:chunk_cache_lookups", "Chunks selected by sparse decode steps (since start).",
                     cache["lookups"])
+            budget = skv["budget"]  # chunks selected per KV head and step, over every request so far
+            selected = HistogramMetricFamily("shadowkv:selected_chunks", "Chunks a sparse decode step selected "
+                                             "per layer and KV head (since start).", labels=list(self.labels))
+            selected.add_metric(list(self.labels.values()),
+                                [(str(le), n) for le, n in zip(*budget["histogram"].values())] +
+                                [("+Inf", budget["head_steps"])], budget["mean_chunks"] * budget["head_steps"])
+            families.append(selected)
             gauge("shadowkv:chunk_cache_hit_rate",
                   "Share of selected chunks already gathered last step, over the running requests.",
                   skv["running_total"]["chunk_cache_hit_rate"])

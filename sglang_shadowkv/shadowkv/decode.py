@@ -23,7 +23,7 @@ from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 from .chunk_cache import plan_chunk_cache
 from .config import ShadowKVConfig
 from .request_state import CompressedLayout, pad_outliers
-from .selection import select_chunks
+from .selection import budget_summary, select_chunks
 
 
 @dataclass
@@ -306,15 +306,3 @@ class SparseDecoder:
                    pool.basis_rank[layer])
         if self.copy_stream is not None:
             torch.cuda.current_stream(pool.device).wait_stream(self.copy_stream)
-
-
-def budget_summary(hist: torch.Tensor, cap: int) -> dict:
-    """hist [layers, cap + 1]: KV-head steps that selected k chunks -> mean and p99 per layer."""
-    steps = hist.sum(1)
-    k = torch.arange(hist.shape[1], dtype=torch.float64)
-    mean = (hist.double() * k).sum(1) / steps.clamp(min=1)
-    cdf = hist.cumsum(1).double() / steps.clamp(min=1)[:, None]
-    p99 = (cdf < 0.99).sum(1).clamp(max=cap)
-    return {"mean_chunks_per_layer": [round(x, 2) for x in mean.tolist()], "p99_chunks_per_layer": p99.tolist(),
-            "mean_chunks": float((hist.double() * k).sum() / steps.sum().clamp(min=1)), "max_chunks": cap,
-            "head_steps": int(steps.sum())}

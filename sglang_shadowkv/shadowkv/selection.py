@@ -72,3 +72,19 @@ def select_chunks_reference(scores: torch.Tensor, chunk_slots: torch.Tensor, bud
             row.append({int(chunk_slots[r, j]) for j in ranked[:count]})
         out.append(row)
     return out
+
+
+def budget_summary(hist: torch.Tensor, cap: int) -> dict:
+    """hist [layers, cap + 1]: KV-head steps that selected k chunks -> mean and p99 per layer, and
+    over all layers a cumulative histogram (steps selecting at most `le` chunks, le = 16, 32, ... cap)."""
+    steps = hist.sum(1)
+    k = torch.arange(hist.shape[1], dtype=torch.float64)
+    mean = (hist.double() * k).sum(1) / steps.clamp(min=1)
+    cdf = hist.cumsum(1).double() / steps.clamp(min=1)[:, None]
+    p99 = (cdf < 0.99).sum(1).clamp(max=cap)
+    edges = sorted({*(2 ** i for i in range(4, cap.bit_length()) if 2 ** i < cap), cap})
+    at_most = hist.sum(0).cumsum(0)
+    return {"mean_chunks_per_layer": [round(x, 2) for x in mean.tolist()], "p99_chunks_per_layer": p99.tolist(),
+            "mean_chunks": float((hist.double() * k).sum() / steps.sum().clamp(min=1)), "max_chunks": cap,
+            "head_steps": int(steps.sum()),
+            "histogram": {"le": edges, "head_steps": [int(at_most[e]) for e in edges]}}
