@@ -288,6 +288,10 @@ class ShadowKVPool:
         return {"gpu_slot_page_bytes": slots, "gpu_outlier_bytes": outliers, "gpu_basis_bytes": basis,
                 "gpu_compressed_bytes": slots + outliers + basis, "host_bytes": host}
 
+    def held_pages(self) -> list[int]:
+        """Pages of the dense pool that hold compressed state: the null page and every live segment's."""
+        return [self.null_page, *(p for seg in self.live.values() for p in seg.pages)]
+
     def capacity_bytes(self) -> dict[str, int]:
         live = [self.segment_bytes(seg) for seg in self.live.values()]
         return {"host_pool_bytes": sum(t.numel() * t.element_size() for t in self.host_v), "segments": len(live),

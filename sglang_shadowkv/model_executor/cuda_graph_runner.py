@@ -126,6 +126,8 @@ class DecodeGraphRunner:
         """Capture each (batch size, variant), largest first, in one memory pool: only one graph
         runs at a time, so their intermediate tensors can share memory."""
         model, backend, dev = self.model, self.backend, self.device
+        # mem_get_info, not memory_plan.free_gpu_bytes: a capture on first use happens while serving,
+        # where that helper's gc.collect() and empty_cache() would stall the step
         start, before = time.perf_counter(), torch.cuda.mem_get_info(dev)[0]
         if self._pool is None:
             self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)

@@ -103,10 +103,14 @@ class CacheManager:
         make it by compressing them instead (the demoter works each step meanwhile)."""
         return need > self.pool.num_free - self.reserved_pages and self.demotion_can_help()
 
+    @property
+    def demoter(self):
+        """The compressed tier's Demoter (None: full attention, or the eager policy)."""
+        return None if self.compressed is None else self.compressed.demoter
+
     def demotion_can_help(self) -> bool:
         """Whether a demotion runs or can start (then waiting for memory is not hopeless)."""
-        demoter = None if self.compressed is None else self.compressed.demoter
-        return demoter is not None and demoter.can_help(self.available_pages())
+        return self.demoter is not None and self.demoter.can_help(self.available_pages())
 
     def _count_admission(self, req: Req, matched: list) -> None:
         self.counters.cached_tokens += req.cached_tokens
@@ -115,9 +119,8 @@ class CacheManager:
 
     def maintain(self, waiting_need: int, idle: bool) -> None:
         """Between steps: the demotion's share of work (all of it when nothing decodes)."""
-        demoter = None if self.compressed is None else self.compressed.demoter
-        if demoter is not None:
-            demoter.step(self.reserved_pages, self.available_pages(), waiting_need, idle)
+        if self.demoter is not None:
+            self.demoter.step(self.reserved_pages, self.available_pages(), waiting_need, idle)
 
     def prepare(self, req: Req, item: StepItem) -> None:
         """Before a step computes the item: its pages, and whether this prefill chunk completes a
@@ -196,8 +199,8 @@ class CacheManager:
     def flush(self) -> bool:
         """Drop every cached prefix (a running demotion is given up); False (nothing dropped) while
         a request holds part of it."""
-        if self.compressed is not None and self.compressed.demoter is not None:
-            self.compressed.demoter.cancel()
+        if self.demoter is not None:
+            self.demoter.cancel()
         return self.tree.flush()
 
     # ---- numbers ------------------------------------------------------------------------------
@@ -208,8 +211,7 @@ class CacheManager:
 
     def memory_stats(self, running: list[Req]) -> dict:
         running_pages = sum(sum(isinstance(e, int) for e in r.pages[r.num_borrowed:]) for r in running)
-        store = None if self.compressed is None else self.compressed.store
-        compressed = 0 if store is None else 1 + sum(len(seg.pages) for seg in store.live.values())  # 1: null page
+        compressed = 0 if self.compressed is None else len(self.compressed.store.held_pages())
         return {
             "page_size": self.page_size,
             "total_pages": self.pool.capacity,

@@ -102,8 +102,9 @@ class Demoter:
             if span <= 0:
                 continue
             chunks = span // self.page_size
-            pages = self.store.pages_for(chunks, self.cfg.num_outliers(chunks))
-            if pages + chunks <= available_pages and self.store.can_alloc(chunks, self.cfg.num_outliers(chunks)):
+            outliers = self.cfg.num_outliers(chunks)
+            pages = self.store.pages_for(chunks, outliers)
+            if pages + chunks <= available_pages and self.store.can_alloc(chunks, outliers):
                 best = (node, span, pages)
         return best
 

@@ -27,10 +27,7 @@ def check_pools(cache: "CacheManager", running: list["Req"]) -> None:
     errors: list[str] = []
     tree_entries = list(cache.tree.entries())
     owned = [e for r in running for e in r.pages[r.num_borrowed:] + r.duplicate_entries]
-    compressed_pages = []
-    if cache.compressed is not None:
-        store = cache.compressed.store
-        compressed_pages = [store.null_page] + [p for seg in store.live.values() for p in seg.pages]
+    compressed_pages = [] if cache.compressed is None else cache.compressed.store.held_pages()
     _check_once(errors, "page", range(1, cache.pool.capacity + 1), cache.pool.free_ids(),
                 [e for e in tree_entries + owned if isinstance(e, int)] + compressed_pages)
     _check_tree_counts(errors, cache, tree_entries)
