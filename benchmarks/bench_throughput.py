@@ -246,7 +246,7 @@ def decode_rate(runner: ModelRunner, items: list[StepItem], steps: int, graph: b
         rows = torch.tensor([it.pool_row for it in items], device=DEV)
         want = eager(stream[-1]).clone()
         if runner.graphs is None:
-            runner.init_decode_graphs(len(items), capture=True, only_for=decode_items)
+            runner.init_graphs(len(items), capture=True, only_for=decode_items)
 
         def step(tokens):
             runner.next_input[rows] = tokens
@@ -482,7 +482,7 @@ def measure_shadowkv(args, context: int, workload: str, ratio: float, storage: s
     bd = breakdown(runner, items)
     scfg, pool, elem = runner.shadowkv_config, runner.compressed_pool, 2 if CUDA else 4
     # what the defaults chose on this workload: ranks per layer, chunks per KV head and step
-    bd["ranks"] = next(iter(pool.live.values())).ranks
+    bd["ranks"] = next(iter(pool.live.values())).settle_ranks()
     bd["budget"] = runner.decoder.budget_stats()
     selected = bd["budget"]["mean_chunks"]
     bd["gather_vs_pcie"] = bd["gather_GBps"] and bd["gather_GBps"] / bw["pcie_pinned_h2d_GBps"]

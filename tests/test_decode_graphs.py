@@ -11,7 +11,8 @@ change any output either.
 import pytest
 
 from conftest import assert_pool_clean
-from test_shadowkv import SHADOW_ENGINE, assert_shadow_pools_clean, long_prompt
+from test_shadowkv import (SHADOW_ENGINE, assert_shadow_pools_clean, document_and_questions, greedy_answers,
+                           long_prompt)
 
 from sglang_shadowkv.model_executor.cuda_graph_runner import graph_batch_sizes
 from sglang_shadowkv.sampling_params import SamplingParams
@@ -36,7 +37,7 @@ def run_staggered(engine, prompts: list[list[int]], max_new: list[int], join_eve
 
 
 def with_static_decode(engine, max_bs: int):
-    engine.scheduler.runner.init_decode_graphs(max_bs, capture=False)
+    engine.scheduler.runner.init_graphs(max_bs, capture=False)
     return engine.scheduler.runner.graphs
 
 
@@ -52,7 +53,7 @@ def test_the_torch_backend_is_never_captured(dense_pair):
     runner = dense_pair[0].scheduler.runner
     assert runner.backend_name == "torch" and not runner.backend.capturable
     before = runner.graphs
-    runner.init_decode_graphs(4, capture=True)
+    runner.init_graphs(4, capture=True)
     assert runner.graphs is before
 
 
@@ -141,6 +142,40 @@ def test_shadowkv_mixed_batches_give_the_eager_tokens(shadow_pair):
     assert graphed.scheduler.runner.graphs.replays - replays > 5
     plan = decoder.graph_plan  # written in place: the last graph step's padded rows use the dummy scratch
     assert decoder.dummy_row in plan.rows.tolist()
+    for eng in (plain, graphed):
+        assert_pool_clean(eng)
+        assert_shadow_pools_clean(eng)
+
+
+def test_suffixes_over_a_compressed_prefix_replay_a_graph_and_give_the_eager_tokens(shadow_pair):
+    """Questions on a cached compressed document with nothing else running are a step of prompt
+    chunks only, padded to a captured shape (one tile, three tiles padded to 192 queries, three
+    questions at once padded to four): the fixed buffers' step must answer as the eager suffix
+    prefill does, and the padding must touch only the reserved page."""
+    plain, graphed = shadow_pair
+    doc, questions = document_and_questions(plain.tokenizer, 1200, 41)
+    questions = questions[:2] + [long_prompt(plain.tokenizer, 150, 42)]
+    for eng in (plain, graphed):
+        eng.flush_cache()
+    want = greedy_answers(plain.scheduler, doc, questions, 6)
+    graphs = graphed.scheduler.runner.graphs
+    before = graphs.replays_by_variant.copy()
+    got = greedy_answers(graphed.scheduler, doc, questions, 6)
+    assert got == want
+    suffix_steps = {v: n - before[v] for v, n in graphs.replays_by_variant.items() if v.startswith("('suffix'")}
+    assert sum(suffix_steps.values()) == len(questions)  # each question's prompt step, none eager
+    table = graphed.scheduler.runner.req_to_token
+    assert not table.table[table.padding_row].any() and int(graphs.out_cache_loc[191]) == 0
+    # the three at once: one step of three suffixes, padded to four requests of 192 rows
+    sched = graphed.scheduler
+    reqs = [sched.add_request(f"t{i}", doc + q, SamplingParams(max_new_tokens=6, temperature=0))
+            for i, q in enumerate(questions)]
+    before = graphs.replays_by_variant.copy()
+    sched.step()
+    assert all(r.prompt_done for r in reqs) and sum(graphs.replays_by_variant.values()) == sum(before.values()) + 1
+    while sched.has_work:
+        sched.step()
+    assert [r.output_ids for r in reqs] == want
     for eng in (plain, graphed):
         assert_pool_clean(eng)
         assert_shadow_pools_clean(eng)

@@ -94,11 +94,11 @@ def _one_config(runner: ModelRunner, row: int, slots: torch.Tensor, queries: dic
                 torch.tensor([0, s], device=dev), slots.int(), mc.head_dim ** -0.5).float()
             got = decoder.attend(q_last, layer, plan, pool).float()
             report["decode_output_error"] = float((got - want).norm() / want.norm())
-            report["rank"] = seg.ranks[layer]
+            report["rank"] = int(seg.ranks[layer])
             layers.append(report)
     saving = _gpu_bytes(store, seg, decoder, runner, s - span)
     return {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "prompt_tokens": s,
-            "compressed_tokens": span, "queries": nq, "ranks": list(seg.ranks), **saving, "layers": layers,
+            "compressed_tokens": span, "queries": nq, "ranks": seg.settle_ranks(), **saving, "layers": layers,
             "summary": summarize([{"layers": layers, "gpu_saving_vs_full": saving["gpu_saving_vs_full"],
                                    "gpu_saving_vs_full_with_bounds": saving["gpu_saving_vs_full_with_bounds"]}])}
 

@@ -27,7 +27,8 @@ class Segment:
     outlier_blocks: torch.Tensor  # [Hkv, outliers] int32 outlier blocks, shared by every layer
     pages: list[int]  # every dense-pool page it holds (slot, outlier and basis pages)
     host_slots: list[int]  # host value slot of each chunk, in token order
-    ranks: list[int] = field(default_factory=list)  # per layer, filled by compression
+    # per layer, filled by compression: 0-dim device tensors until `settle_ranks` reads them at once
+    ranks: list = field(default_factory=list)
     host_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first host slot, count, chunk offset)
     refs: int = 0  # live ChunkRefs (radix tree entries and running requests'); freed at 0
     unlocked_tree_refs: int = 0  # of those, the ones in radix-tree nodes no request holds
@@ -41,6 +42,13 @@ class Segment:
     def num_outliers(self) -> int:
         """Outlier chunks per KV head."""
         return self.outlier_blocks.shape[1]
+
+    def settle_ranks(self) -> list[int]:
+        """The per-layer ranks as ints: one copy for every layer once the compression is done
+        (compression leaves them on the device, so its layers queue without a host sync each)."""
+        if any(isinstance(r, torch.Tensor) for r in self.ranks):
+            self.ranks = torch.stack([torch.as_tensor(r).to(self.chunk_slots.device) for r in self.ranks]).tolist()
+        return self.ranks
 
 
 @dataclass(eq=False)

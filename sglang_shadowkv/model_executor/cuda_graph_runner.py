@@ -1,4 +1,5 @@
-"""Decode steps as CUDA graphs, captured at startup per batch size and replayed by the scheduler.
+"""Decode steps as CUDA graphs, captured at startup per batch size and replayed by the scheduler;
+and the step of a lone short suffix over a compressed prefix, captured on first use per token count.
 
 Eager decode launches a few hundred small kernels per step (ShadowKV adds scores, top-k, the chunk
 cache, key rebuild, value gather and sparse attention to every layer), so at small batches the
@@ -13,6 +14,14 @@ here (token ids, positions, KV slots) or by the backend (its metadata: page tabl
 plan), written before each replay, so batches that change every step replay the same graphs.
 Without a GPU the same path runs eagerly over the same buffers (capture=False), which is how the
 tests check it against the plain eager step.
+
+Questions on cached compressed documents, with nothing else running, make a step of short prompt
+chunks whose attention (the sparse suffix prefill) launches ~200 kernels a layer: eagerly the
+host, not the GPU, sets their time to first token (188 ms against full attention's 24 ms at 16K
+on the H100). Such a step replays a graph too, captured on first use per (requests, tokens each,
+chunk width): each chunk is padded to the captured token count with rows that read and write
+only the reserved page, and the batch with all-padding requests; the backend decides whether it
+can (`suffix_graph_variant`).
 """
 
 from __future__ import annotations
@@ -25,12 +34,14 @@ import torch
 
 from sglang_shadowkv.layers.attention.base import NO_GRAPH, AttentionBackend, ForwardBatch
 from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool, to_device
+from sglang_shadowkv.shadowkv.suffix_prefill import GRAPH_REQUESTS, GRAPH_TOKENS
 
 from .forward_batch import StepItem
 
 logger = logging.getLogger(__name__)
 
 WARMUP_RUNS = 2  # before each capture: compile kernels and settle allocations outside the graph
+SUFFIX = "suffix"  # graph keys ((SUFFIX, requests, tokens each), variant): suffixes; (batch size, variant): decode
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -39,7 +50,7 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sizes + [max_bs]
 
 
-class DecodeGraphRunner:
+class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, table: ReqToTokenPool,
                  next_input: torch.Tensor, vocab_size: int, context_length: int, max_bs: int, capture: bool,
                  only_for: list[StepItem] | None = None):
@@ -51,11 +62,14 @@ class DecodeGraphRunner:
         self.max_bs = max_bs
         self.capture = capture
         self.device = dev = next_input.device
-        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.out_cache_loc = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        tokens = max(max_bs, GRAPH_REQUESTS[-1] * GRAPH_TOKENS[-1])
+        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self.out_cache_loc = torch.zeros(tokens, dtype=torch.long, device=dev)
         self.q_indptr = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.logits = torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=dev)
+        self.suffix_q_indptr = torch.zeros(GRAPH_REQUESTS[-1] + 1, dtype=torch.int32, device=dev)
+        self.suffix_logit_rows = torch.zeros(GRAPH_REQUESTS[-1], dtype=torch.long, device=dev)  # each suffix's last
+        self.logits = torch.zeros(max(max_bs, GRAPH_REQUESTS[-1]), vocab_size, dtype=torch.float32, device=dev)
         backend.init_graph_state(max_bs, max_bs * context_length, table)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.replays = 0
@@ -77,26 +91,45 @@ class DecodeGraphRunner:
         if bs is None:
             return None
         batch = self._padded_batch(items, bs)
-        backend = self.backend
-        variant = backend.graph_variant(batch)
+        variant = self.backend.graph_variant(batch)
         if variant is NO_GRAPH:
             return None
-        self._write_inputs(batch)
+        self._replay((bs, variant), batch, self._write_inputs)
+        return self.logits[:len(items)]
+
+    def run_suffixes(self, items: list[StepItem]) -> torch.Tensor | None:
+        """Logits [len(items), vocab] of a step of prompt chunks only, if the backend can run it
+        from a graph (short suffixes over compressed prefixes), else None."""
+        num = next((n for n in GRAPH_REQUESTS if n >= len(items)), None)
+        tokens = next((t for t in GRAPH_TOKENS if t >= max(it.num_new for it in items)), None)
+        if num is None or tokens is None or any(it.is_decode for it in items):
+            return None
+        batch = self._suffix_batch(items, num, tokens)
+        variant = self.backend.suffix_graph_variant(batch)
+        if variant is NO_GRAPH:
+            return None
+        self._replay(((SUFFIX, num, tokens), variant), batch, lambda b: self._write_suffix_inputs(b, items))
+        return self.logits[:len(items)]
+
+    def _replay(self, key: tuple, batch: ForwardBatch, write_inputs) -> None:
+        """Write the step's inputs and replay its graph (captured now if it is the first step of
+        its shape); without capture, run the model eagerly over the same buffers."""
+        backend, variant = self.backend, key[1]
+        write_inputs(batch)
         backend.begin_graph_step(batch, variant)
         if self.capture:
-            graph = self.graphs.get((bs, variant))
+            graph = self.graphs.get(key)
             if graph is None:  # a variant captured on first use (the backend keeps startup short)
                 torch.cuda.synchronize(self.device)  # nothing else in flight while capturing
-                self._capture([(bs, variant)])
-                graph = self.graphs[(bs, variant)]
-                self._write_inputs(batch)
+                self._capture([key])
+                graph = self.graphs[key]
+                write_inputs(batch)
                 backend.begin_graph_step(batch, variant)
             graph.replay()
         else:
-            self.logits[:bs].copy_(self.model(batch, backend))
+            self._forward(batch, key)
         self.replays += 1
         self.replays_by_variant[str(variant)] += 1
-        return self.logits[:len(items)]
 
     def _padded_batch(self, items: list[StepItem], bs: int) -> ForwardBatch:
         pad = bs - len(items)
@@ -107,6 +140,43 @@ class DecodeGraphRunner:
             extend_lens=[1] * bs, seq_lens=[it.seq_len for it in items] + [1] * pad,
             pool_rows=[it.pool_row for it in items] + [row] * pad,
             shadowkv=[it.shadowkv for it in items] + [None] * pad)
+
+    def _suffix_batch(self, items: list[StepItem], num: int, tokens: int) -> ForwardBatch:
+        """num requests of `tokens` rows each: the items' prompt chunks, each followed by padding
+        rows, then all-padding requests (a capture's stand-in has no items). Padding rows sit on
+        the table's padding row (slot 0)."""
+        pad = num - len(items)
+        rows = num * tokens
+        return ForwardBatch(
+            input_ids=self.input_ids[:rows], positions=self.positions[:rows], out_cache_loc=self.out_cache_loc[:rows],
+            q_indptr=self.suffix_q_indptr[:num + 1], kv_indptr=None, kv_indices=None,
+            extend_lens=[it.num_new for it in items] + [0] * pad, seq_lens=[it.seq_len for it in items] + [0] * pad,
+            pool_rows=[it.pool_row for it in items] + [self.table.padding_row] * pad,
+            shadowkv=[it.shadowkv for it in items] + [None] * pad)
+
+    def _write_suffix_inputs(self, batch: ForwardBatch, items: list[StepItem]) -> None:
+        num, rows = batch.batch_size, len(batch.input_ids)
+        tokens = rows // num
+        ids, positions = torch.zeros(num, tokens, dtype=torch.long), torch.zeros(num, tokens, dtype=torch.long)
+        for i, it in enumerate(items):
+            ids[i, :it.num_new] = torch.tensor(it.token_ids)
+            positions[i, :it.num_new] = torch.arange(it.start, it.seq_len)
+        last = [i * tokens + it.num_new - 1 for i, it in enumerate(items)] + [i * tokens for i in range(len(items), num)]
+        host = to_device(torch.cat([ids.flatten(), positions.flatten(), torch.tensor(last)]), self.device)
+        self.input_ids[:rows].copy_(host[:rows])
+        self.positions[:rows].copy_(host[rows:2 * rows])
+        self.suffix_logit_rows[:num].copy_(host[2 * rows:])
+        self.suffix_q_indptr[:num + 1].copy_(torch.arange(0, rows + 1, tokens, dtype=torch.int32, device=self.device))
+        spans = [(it.pool_row, it.start, it.seq_len) for it in items]
+        spans = [s for i in range(num) for s in ([spans[i]] if i < len(items) else []) + [
+            (self.table.padding_row, 0, tokens - (items[i].num_new if i < len(items) else 0))]]
+        self.out_cache_loc[:rows].copy_(self.table.span_slots(*map(list, zip(*spans))))
+
+    def _forward(self, batch: ForwardBatch, key: tuple) -> None:
+        """The step's logits into the fixed buffer (a suffix step: each request's last real row,
+        not its last padding row)."""
+        rows = self.suffix_logit_rows[:batch.batch_size] if isinstance(key[0], tuple) else None
+        self.logits[:batch.batch_size].copy_(self.model(batch, self.backend, rows))
 
     def _write_inputs(self, batch: ForwardBatch) -> None:
         """Token ids (each request's last sampled token, already on the device), positions and the
@@ -125,7 +195,7 @@ class DecodeGraphRunner:
     def _capture(self, keys: list[tuple]) -> None:
         """Capture each (batch size, variant), largest first, in one memory pool: only one graph
         runs at a time, so their intermediate tensors can share memory."""
-        model, backend, dev = self.model, self.backend, self.device
+        backend, dev = self.backend, self.device
         # mem_get_info, not memory_plan.free_gpu_bytes: a capture on first use happens while serving,
         # where that helper's gc.collect() and empty_cache() would stall the step
         start, before = time.perf_counter(), torch.cuda.mem_get_info(dev)[0]
@@ -133,25 +203,34 @@ class DecodeGraphRunner:
             self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
         pool, stream = self._pool, self._stream
         for bs, variant in keys:
-            batch = self._padded_batch([], bs)
-            self._write_inputs(batch)
+            batch = self._stand_in(bs, variant)
             backend.begin_graph_step(batch, variant)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
                 for _ in range(WARMUP_RUNS):
-                    model(batch, backend)
+                    self._forward(batch, (bs, variant))
             torch.cuda.current_stream(dev).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits[:bs].copy_(model(batch, backend))
+                self._forward(batch, (bs, variant))
             self.graphs[(bs, variant)] = graph
         torch.cuda.synchronize(dev)
         seconds, graph_bytes = time.perf_counter() - start, before - torch.cuda.mem_get_info(dev)[0]
         self.capture_seconds += seconds
         self.graph_bytes += graph_bytes
-        logger.info("captured %d decode CUDA graph(s) (%s) in %.1f s, %.2f GiB; %d in all, %.1f s, %.2f GiB",
+        logger.info("captured %d CUDA graph(s) (%s) in %.1f s, %.2f GiB; %d in all, %.1f s, %.2f GiB",
                     len(keys), keys if len(keys) == 1 else f"batch sizes {self.batch_sizes}", seconds,
                     graph_bytes / 2**30, len(self.graphs), self.capture_seconds, self.graph_bytes / 2**30)
+
+    def _stand_in(self, size, variant) -> ForwardBatch:
+        """A batch of only padding for capturing the graph (size, variant), its inputs written."""
+        if isinstance(size, tuple):  # (SUFFIX, requests, tokens)
+            batch = self._suffix_batch([], size[1], size[2])
+            self._write_suffix_inputs(batch, [])
+        else:
+            batch = self._padded_batch([], size)
+            self._write_inputs(batch)
+        return batch
 
     def stats(self) -> dict:
         return {"batch_sizes": self.batch_sizes, "graphs": len(self.graphs), "captured": self.capture,

@@ -18,7 +18,7 @@ from sglang_shadowkv.models.loader import LoadedModel, load_model
 from sglang_shadowkv.server_args import ServerArgs
 from sglang_shadowkv.shadowkv.decode import SparseDecoder
 
-from .cuda_graph_runner import DecodeGraphRunner
+from .cuda_graph_runner import CudaGraphRunner
 from .forward_batch import StepItem, build_forward_batch
 
 logger = logging.getLogger(__name__)
@@ -86,10 +86,10 @@ class ModelRunner:
                                                     self.model.rotary, self.req_to_token, self.decoder)
         logger.info("KV pool: %d pages of %d tokens (%.1f MiB), backend %s", num_pages, page_size,
                     num_pages * page_size * self.pool.bytes_per_token / 2**20, self.backend_name)
-        self.graphs: DecodeGraphRunner | None = None
+        self.graphs: CudaGraphRunner | None = None
         self.eager_steps = 0
         if self.device.type == "cuda" and not args.disable_cuda_graph:
-            self.init_decode_graphs(args.cuda_graph_max_bs or args.max_running_requests, capture=True)
+            self.init_graphs(args.cuda_graph_max_bs or args.max_running_requests, capture=True)
 
     def _plan_memory(self, args: ServerArgs) -> MemoryPlan:
         """The pool's size: on a GPU from the free memory (mem_cache/memory_plan.py), on a CPU a few
@@ -127,7 +127,7 @@ class ModelRunner:
         logger.info("ShadowKV: %s; %s; %d chunk slots per page", skv.describe_rank(cfg.kv_dim), skv.describe_budget(),
                     self.compressed_pool.layout.slots_per_page)
 
-    def init_decode_graphs(self, max_bs: int, capture: bool, only_for: list[StepItem] | None = None) -> None:
+    def init_graphs(self, max_bs: int, capture: bool, only_for: list[StepItem] | None = None) -> None:
         """Decode steps of up to max_bs requests from fixed buffers: captured as CUDA graphs
         (capture=True, a GPU), or run eagerly over the same buffers (tests on a CPU)."""
         if not self.backend.supports_graphs:
@@ -136,7 +136,7 @@ class ModelRunner:
         if capture and not self.backend.capturable:
             logger.info("attention backend %s cannot be captured: decode steps run eagerly", self.backend_name)
             return
-        self.graphs = DecodeGraphRunner(self.model, self.backend, self.req_to_token, self.next_input,
+        self.graphs = CudaGraphRunner(self.model, self.backend, self.req_to_token, self.next_input,
                                         self.config.vocab_size, self.context_length,
                                         min(max_bs, self.req_to_token.padding_row), capture, only_for)
 
@@ -145,10 +145,15 @@ class ModelRunner:
 
     def forward(self, items: list[StepItem], logit_rows: list[int] | None = None) -> torch.Tensor:
         """Run one step; logits [len(items), vocab] of each item's last token, or of the given
-        rows of the flattened step (prompt logprobs). A decode batch that a captured graph holds
-        replays it; anything else runs eagerly."""
-        if self.graphs is not None and logit_rows is None and all(it.is_decode for it in items):
-            logits = self.graphs.run(items)
+        rows of the flattened step (prompt logprobs). A decode batch, or a step of short suffixes
+        over compressed prefixes only, that a captured graph holds replays it; anything else runs eagerly."""
+        if self.graphs is not None and logit_rows is None:
+            if all(it.is_decode for it in items):
+                logits = self.graphs.run(items)
+            elif not any(it.is_decode for it in items):
+                logits = self.graphs.run_suffixes(items)
+            else:
+                logits = None
             if logits is not None:
                 return logits
         batch = self.build_batch(items)

@@ -163,6 +163,7 @@ class CompressedTier:
                     seg.ranks)
 
     def count_compression(self, seg: Segment) -> None:
+        seg.settle_ranks()
         self.counters.compressions += 1
         self.counters.compressed_tokens += seg.num_tokens
         self.rank_totals = [t + r for t, r in zip(self.rank_totals, seg.ranks)]

@@ -99,17 +99,27 @@ def low_rank_basis(k_pre: torch.Tensor, max_rank: int, energy: float | None = No
     With `energy`, r is the smallest rank whose squared singular values keep that fraction of the
     total (trace of G), capped at max_rank.
     """
+    basis, rank = padded_low_rank_basis(k_pre, max_rank, energy, method)
+    return basis[:int(rank)].contiguous()
+
+
+def padded_low_rank_basis(k_pre: torch.Tensor, max_rank: int, energy: float | None = None,
+                          method: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """`low_rank_basis` as [max_rank, dim] rows, zero past the rank, and the rank as a tensor on
+    k_pre's device: no host sync for the rank, so a compression's layers queue up without the
+    host waiting for each one (the pool is as wide as max_rank whatever the rank)."""
     x = k_pre.float()
-    rank = min(max_rank, x.shape[1])
-    method = resolve_lowrank_method(method, x.shape[1])
+    dim = x.shape[1]
+    rank_cap = min(max_rank, dim)
+    method = resolve_lowrank_method(method, dim)
     if method in ("eigh", "subspace"):
         with tf32_matmuls():
             gram = x.T @ x
-        if method == "eigh" or rank + OVERSAMPLE >= x.shape[1]:
+        if method == "eigh" or rank_cap + OVERSAMPLE >= dim:
             evals, evecs = symmetric_eigh(gram)
             sq, vecs = evals.flip(0), evecs.flip(1).T
         else:
-            sq, vecs = top_subspace(gram, rank, with_values=energy is not None)
+            sq, vecs = top_subspace(gram, rank_cap, with_values=energy is not None)
         total = gram.diagonal().sum()
     elif method == "svd":
         _, s, vecs = torch.linalg.svd(x, full_matrices=False)
@@ -117,10 +127,13 @@ def low_rank_basis(k_pre: torch.Tensor, max_rank: int, energy: float | None = No
         total = sq.sum()
     else:
         raise ValueError(f"method must be one of {LOWRANK_METHODS}, got {method!r}")
+    rank = torch.tensor(rank_cap, device=x.device)
     if energy is not None:
         kept = torch.cumsum(sq.clamp(min=0).double(), 0) / total.double().clamp(min=1e-30)
-        rank = min(rank, int((kept < energy).sum()) + 1)
-    return vecs[:rank].contiguous()
+        rank = torch.clamp((kept < energy).sum() + 1, max=rank_cap)
+    basis = torch.zeros(max_rank, dim, device=x.device)
+    basis[:rank_cap] = vecs[:rank_cap] * (torch.arange(rank_cap, device=x.device) < rank)[:, None]
+    return basis, rank
 
 
 def chunk_landmarks_and_outliers(k_post: torch.Tensor, chunk_size: int, num_outliers: int):
@@ -137,19 +150,16 @@ def chunk_landmarks_and_outliers(k_post: torch.Tensor, chunk_size: int, num_outl
 
 
 def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.Tensor,
-                   v: torch.Tensor, rotary: RotaryTables, cfg: ShadowKVConfig) -> int:
+                   v: torch.Tensor, rotary: RotaryTables, cfg: ShadowKVConfig) -> torch.Tensor:
     """Compress the segment's keys/values [num_tokens, H, D] of one layer into the pool.
 
-    Returns the rank used for the layer.
+    Returns the rank used for the layer (a 0-dim tensor on the pool's device, also in seg.ranks).
     """
     c, h, d = pool.chunk_size, pool.num_kv_heads, pool.head_dim
     n = seg.num_chunks
     positions = torch.arange(seg.start, seg.start + seg.num_tokens, device=k_post.device)
     k_pre = apply_rotary(rotary, k_post, positions, inverse=True, out_dtype=torch.float32).reshape(seg.num_tokens, h * d)
-    basis = low_rank_basis(k_pre, pool.max_rank, cfg.energy, cfg.lowrank_method)
-    rank = basis.shape[0]
-    padded_basis = torch.zeros(pool.max_rank, h * d, device=basis.device)
-    padded_basis[:rank] = basis
+    padded_basis, rank = padded_low_rank_basis(k_pre, pool.max_rank, cfg.energy, cfg.lowrank_method)
     pool.write_basis(layer, seg, padded_basis)
     pool.basis_rank[layer][seg.seg_id] = rank
     with tf32_matmuls():

@@ -19,6 +19,11 @@ key sets):
   shadowkv_sparse_prefill_max, or one that asks for prompt logprobs) attends every chunk instead,
   streamed through its scratch a scratch-full at a time: never the whole document dense at once.
 The scratch ends holding the last tile's selection: the request's decode starts from it.
+
+A step whose only work is short suffixes (questions on cached compressed documents with nothing
+else running) can replay a CUDA graph: `plan_static` writes its plan into fixed buffers, each
+suffix padded to a captured token count (GRAPH_TOKENS) with queries that read and write only the
+reserved page, so the per-layer work above costs one replay instead of ~200 launches a layer.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ from .request_state import CompressedLayout, pad_outliers
 
 TILE = 64  # suffix queries that share one chunk selection
 WORK_BYTES = 1 << 29  # float32 scores a batched selection or attention may hold at once
+# suffix lengths a CUDA graph is captured for: past TILE, whole tiles, so that every round of a
+# padded suffix holds at least one real query (an empty round would fetch chunks nobody needs)
+GRAPH_TOKENS = (16, 32, 64, 128, 192, 256)
+GRAPH_REQUESTS = (1, 2, 4, 8, 16)  # suffixes in one graph step
 
 
 @dataclass
@@ -73,11 +82,28 @@ class SuffixPlan:
     dense_indptr: torch.Tensor  # [R + 1] int32 over dense_slots
     dense_slots: torch.Tensor  # per request: slots of its dense spans, then of [compressed_end, seq_len)
     rounds: list[SuffixRound]
+    max_q_len: int  # the longest suffix of the step (the dense kernel's grid: no device sync)
+
+
+@dataclass
+class SuffixGraphBuffers:
+    """Where a graph step's plan lives: up to GRAPH_REQUESTS[-1] suffixes of up to GRAPH_TOKENS[-1]
+    query rows each (a suffix's real queries first, then padding)."""
+    q_indptr: torch.Tensor  # [R + 1] int32
+    dense_indptr: torch.Tensor  # [R + 1] int32
+    dense_slots: torch.Tensor  # [R * (max dense tokens + max(GRAPH_TOKENS))] int32
+    q_valid: torch.Tensor  # [R, max(GRAPH_TOKENS)] bool: the real queries
+    rows: torch.Tensor  # [R] int32
+    chunk_slots: torch.Tensor  # [R, max_chunks] int32
+    outliers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # [R, Hkv, O] blocks, lo, hi
+    budgets: torch.Tensor  # [R]
 
 
 class SuffixPrefill:
     def __init__(self, decoder: SparseDecoder, use_triton: bool):
         self.decoder, self.use_triton = decoder, use_triton
+        self.graph: SuffixGraphBuffers | None = None
+        self._static_plans: dict[tuple[int, int], SuffixPlan] = {}
 
     # ---- once per step ------------------------------------------------------------------------
     def plan(self, table: ReqToTokenPool, reqs: list[SuffixRequest], q_starts: list[int]) -> SuffixPlan:
@@ -101,7 +127,7 @@ class SuffixPrefill:
                 rounds.append(self._round(reqs, [i], [offsets[i]], [n_q[i]], n_q[i], True))
         return SuffixPlan(to_device(q_rows, dev), to_device(torch.tensor(offsets, **ints), dev),
                           to_device(torch.tensor(dense_indptr, **ints), dev),
-                          table.span_slots(*map(list, zip(*spans))), rounds)
+                          table.span_slots(*map(list, zip(*spans))), rounds, max(n_q))
 
     def _round(self, reqs: list[SuffixRequest], members: list[int], firsts: list[int], counts: list[int],
                width: int, exact: bool) -> SuffixRound:
@@ -119,6 +145,86 @@ class SuffixPrefill:
                            slots.to(dev), pad_outliers(layouts, decoder.pool.num_kv_heads, dev),
                            to_device(torch.tensor(budgets), dev), max(budgets), exact)
 
+    # ---- CUDA-graph steps: suffixes padded to a fixed shape -----------------------------------
+    def init_graph_state(self, max_dense_tokens: int, max_outliers: int) -> None:
+        decoder, dev = self.decoder, self.decoder.pool.device
+        r, t, h = GRAPH_REQUESTS[-1], GRAPH_TOKENS[-1], decoder.pool.num_kv_heads
+
+        def ints(*shape, fill=0):
+            return torch.full(shape, fill, dtype=torch.int32, device=dev)
+
+        self.graph = SuffixGraphBuffers(
+            ints(r + 1), ints(r + 1), ints(r * (max_dense_tokens + t)), torch.zeros(r, t, dtype=torch.bool, device=dev),
+            ints(r, fill=decoder.dummy_row), ints(r, decoder.max_chunks, fill=decoder.pool.null_slot),
+            (ints(r, h, max_outliers, fill=-1), ints(r, h, max_outliers), ints(r, h, max_outliers)),
+            torch.zeros(r, dtype=torch.int64, device=dev))
+
+    def graph_fits(self, reqs: list[SuffixRequest], width: int) -> bool:
+        """Whether the graph buffers hold these requests' plan with `width` chunk columns."""
+        g = self.graph
+        per_request = g.dense_slots.numel() // GRAPH_REQUESTS[-1] - GRAPH_TOKENS[-1]
+        return g is not None and len(reqs) <= GRAPH_REQUESTS[-1] and width <= self.decoder.max_chunks and all(
+            not req.exact and req.layout.num_chunks <= width and req.layout.num_outliers <= g.outliers[0].shape[2]
+            and req.seq_len - req.start <= GRAPH_TOKENS[-1] and _dense_tokens(req) <= per_request for req in reqs)
+
+    def plan_static(self, table: ReqToTokenPool, reqs: list[SuffixRequest], num_requests: int, tokens: int,
+                    width: int, padding_row: int) -> SuffixPlan:
+        """The plan of a graph step of num_requests suffixes of `tokens` query rows each (sizes
+        from GRAPH_REQUESTS and GRAPH_TOKENS), written into the fixed buffers. A suffix's real
+        queries come first; its padding queries come last and attend only slots of the reserved
+        page, appended after its keys, so the causal rule keeps them invisible to the real ones.
+        Requests past len(reqs) are all padding (a capture: none). The plan's shapes depend only
+        on (num_requests, tokens, width), so every step of that shape replays one graph."""
+        g, decoder, dev = self.graph, self.decoder, self.decoder.pool.device
+        n_q = [r.seq_len - r.start for r in reqs] + [0] * (num_requests - len(reqs))
+        order = []  # per request: its dense spans, then its padding keys (slot 0 of the padding row)
+        for i, n in enumerate(n_q):
+            if i < len(reqs):
+                lay = reqs[i].layout
+                order += [(reqs[i].table_row, a, b) for a, b in [*lay.dense_spans, (lay.compressed_end, reqs[i].seq_len)]]
+            order.append((padding_row, 0, tokens - n))
+        lens = [(_dense_tokens(reqs[i]) if i < len(reqs) else 0) + tokens - n for i, n in enumerate(n_q)]
+        indptr = [0, *itertools.accumulate(lens)]
+        host = torch.tensor([*(i * tokens for i in range(num_requests + 1)), *indptr], dtype=torch.int32)
+        both = to_device(host, dev)
+        g.q_indptr[:num_requests + 1].copy_(both[:num_requests + 1])
+        g.dense_indptr[:num_requests + 1].copy_(both[num_requests + 1:])
+        g.dense_slots[:indptr[-1]].copy_(table.span_slots(*map(list, zip(*order))))
+        g.q_valid[:num_requests].copy_(to_device(torch.arange(g.q_valid.shape[1]) < torch.tensor(n_q)[:, None], dev))
+        g.rows.fill_(decoder.dummy_row)
+        g.chunk_slots.fill_(decoder.pool.null_slot)
+        g.budgets.zero_()
+        for buf, fill in zip(g.outliers, (-1, 0, 0)):
+            buf.fill_(fill)
+        if reqs:
+            layouts = [r.layout for r in reqs]
+            g.rows[:len(reqs)].copy_(to_device(torch.tensor([r.scratch_row for r in reqs], dtype=torch.int32), dev))
+            slots = pad_sequence([lay.chunk_slots.int() for lay in layouts], batch_first=True,
+                                 padding_value=decoder.pool.null_slot)
+            g.chunk_slots[:len(reqs), :slots.shape[1]].copy_(slots)
+            for buf, src in zip(g.outliers, pad_outliers(layouts, decoder.pool.num_kv_heads, dev)):
+                buf[:len(reqs), :, :src.shape[2]].copy_(src)
+            budgets = [decoder.cfg.budget_chunks(lay.num_chunks - lay.num_outliers) for lay in layouts]
+            g.budgets[:len(reqs)].copy_(to_device(torch.tensor(budgets), dev))
+        key = (num_requests, tokens, width)
+        if key not in self._static_plans:
+            self._static_plans[key] = self._static_plan(*key)
+        return self._static_plans[key]
+
+    def _static_plan(self, num_requests: int, tokens: int, width: int) -> SuffixPlan:
+        """The plan's tensors for one graph shape: views of the buffers, and constant indices."""
+        g, dev, r = self.graph, self.decoder.pool.device, num_requests
+        t = min(TILE, tokens)
+        rounds = []
+        for first in range(0, tokens, t):
+            q_index = (torch.arange(r, device=dev)[:, None] * tokens + first + torch.arange(t, device=dev))
+            rounds.append(SuffixRound(q_index, g.q_valid[:r, first:first + t], (torch.arange(r * t, device=dev),
+                                      q_index.flatten()), g.rows[:r], g.chunk_slots[:r, :width],
+                                      tuple(o[:r] for o in g.outliers), g.budgets[:r],
+                                      self.decoder.cfg.budget_chunks(width), False))
+        return SuffixPlan(torch.arange(r * tokens, device=dev), g.q_indptr[:r + 1], g.dense_indptr[:r + 1],
+                          g.dense_slots, rounds, tokens)
+
     # ---- per layer ----------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, layer: int, plan: SuffixPlan, kv_pool: PagedKVPool) -> torch.Tensor:
         """q [T, Hq, D]: the suffixes' queries (rows plan.q_rows of the step) -> their attention
@@ -130,10 +236,11 @@ class SuffixPrefill:
             o, o_lse = out[rnd.q_index], lse[rnd.q_index]
             outliers = self.decoder.live_outliers(layer, *rnd.outliers)
             pieces = self._exact_pieces(layer, rnd) if rnd.exact else [self._select(qt, rnd, layer)]
+            attend = self._compressed_shared if rnd.exact else self._compressed_per_query
             for k, selected in enumerate(pieces):
                 entries = self.decoder.fetch_selected(layer, rnd.rows, selected)
-                part, part_lse = self._compressed(qt, layer, outliers if k == 0 else torch.full_like(outliers, -1),
-                                                  rnd.rows, entries)  # outliers once, with the first piece
+                part, part_lse = attend(qt, layer, outliers if k == 0 else torch.full_like(outliers, -1),
+                                        rnd.rows, entries, kv_pool)  # outliers once, with the first piece
                 o, o_lse = merge(o, o_lse, part, part_lse)
             src, dst = rnd.take
             out[dst], lse[dst] = o.flatten(0, 1)[src], o_lse.flatten(0, 1)[src]
@@ -170,12 +277,31 @@ class SuffixPrefill:
         return [torch.nn.functional.pad(per_head[:, a:a + size], (0, size - per_head[:, a:a + size].shape[1]),
                                         value=-1)[None] for a in range(0, slots.numel(), size)]
 
-    def _compressed(self, qt: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,
-                    entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compressed_per_query(self, qt: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,
+                              entries: torch.Tensor, kv_pool: PagedKVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_compressed_shared` for a tile of at most TILE queries: every query as a decode query of
+        its request (the sparse decode kernel, no window), one kernel instead of ~30 gathers,
+        matmuls and elementwise ops; the keys a tile shares are read once per query, from L2 at
+        this size. float32 queries, so the output and lse stay float32 for the merge."""
+        r, t, hq, d = qt.shape
+
+        def per_query(x):
+            return x.repeat_interleave(t, dim=0)
+
+        n = r * t
+        no_window = torch.zeros(n + 1, dtype=torch.int32, device=qt.device)
+        lse = torch.empty(n, hq, dtype=torch.float32, device=qt.device)
+        out = self.decoder.attend_selected(qt.reshape(n, hq, d).float(), layer, per_query(outliers), per_query(rows),
+                                           per_query(entries), no_window, no_window, kv_pool, lse=lse)
+        return out.view(r, t, hq, d), lse.view(r, t, hq)
+
+    def _compressed_shared(self, qt: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,
+                           entries: torch.Tensor, kv_pool: PagedKVPool) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of the tiles' queries qt [R, t, Hq, D] over each request's outliers [R, Hkv, O]
         and scratch entries [R, Hkv, K]: (output [R, t, Hq, D] float32, lse [R, t, Hq]). A tile's
         queries share their keys, so each KV head's keys are gathered once and scored as one
-        matmul; long tiles (exact requests) are scored a block of queries at a time."""
+        matmul, a block of queries at a time: for the long tiles of exact requests, where reading
+        every chunk once per query would cost their count times more."""
         decoder, pool = self.decoder, self.decoder.pool
         r, t, hq, d = qt.shape
         h, c = pool.num_kv_heads, pool.chunk_size
@@ -210,8 +336,9 @@ class SuffixPrefill:
     def _dense(self, q, layer, plan, kv_pool):
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         fn = rpa.ragged_paged_attention if self.use_triton else rpa.ragged_paged_attention_reference
+        extra = dict(max_q_len=plan.max_q_len) if self.use_triton else {}
         out = fn(q, kv_pool.k_buffers[layer], kv_pool.v_buffers[layer], plan.q_indptr, plan.dense_indptr,
-                 plan.dense_slots, q.shape[-1] ** -0.5, lse=lse)
+                 plan.dense_slots, q.shape[-1] ** -0.5, lse=lse, **extra)
         return out, lse
 
 
@@ -229,6 +356,13 @@ def exact_bf16_matmul(on_gpu: bool):
         yield
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def _dense_tokens(req: SuffixRequest) -> int:
+    """Keys a suffix attends densely: its prefix's dense spans and everything from the end of the
+    compressed part on."""
+    lay = req.layout
+    return sum(b - a for a, b in lay.dense_spans) + req.seq_len - lay.compressed_end
 
 
 def _groups(count: int, bytes_each: int) -> list[tuple[int, int]]:

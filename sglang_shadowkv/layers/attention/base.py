@@ -135,6 +135,11 @@ class AttentionBackend(ABC):
         """The captured variant a padded decode batch replays with (NO_GRAPH: run it eagerly)."""
         return None if sum(batch.seq_lens) <= self._graph_kv_indices.numel() else NO_GRAPH
 
+    def suffix_graph_variant(self, batch: ForwardBatch):
+        """The variant a graph batch of one prompt chunk then padding (cuda_graph_runner's suffix
+        step) replays with; dense backends run prompt chunks eagerly (NO_GRAPH)."""
+        return NO_GRAPH
+
     def begin_graph_step(self, batch: ForwardBatch, variant) -> None:
         """Write a padded decode batch's metadata into the fixed buffers and point the batch at
         them (default: the ragged kv_indptr / kv_indices the dense kernels read)."""

@@ -26,6 +26,7 @@ from sglang_shadowkv.shadowkv.suffix_prefill import SuffixPlan, SuffixPrefill, S
 from .base import NO_GRAPH, AttentionBackend, ForwardBatch
 
 DENSE_GRAPH = "dense"  # graph variants (DENSE_GRAPH, v): batches without a compressed prefix
+SUFFIX_GRAPH = "suffix"  # graph variants (SUFFIX_GRAPH, width): one suffix over a compressed prefix
 MIN_GRAPH_CHUNK_COLUMNS = 256
 GRAPH_OUTLIER_SEGMENTS = 2  # a decode graph holds the outliers of this many segments per request
 
@@ -58,9 +59,9 @@ class ShadowKVAttentionBackend(AttentionBackend):
             self.sparse_rows = batch.q_indptr[sparse].long()  # each request's only token
             self.plan = self.decoder.plan_step(self.req_to_token, [self._sparse_request(batch, i) for i in sparse])
         q_starts = [0, *itertools.accumulate(batch.extend_lens)]
-        self.suffix_plan: SuffixPlan | None = self.suffix.plan(self.req_to_token, [SuffixRequest(
-            batch.pool_rows[i], shadow[i].scratch_row, shadow[i].layout, batch.seq_lens[i] - batch.extend_lens[i],
-            batch.seq_lens[i], shadow[i].exact_prefill) for i in suffix], [q_starts[i] for i in suffix]) if suffix else None
+        self.suffix_plan: SuffixPlan | None = self.suffix.plan(
+            self.req_to_token, [self._suffix_request(batch, i) for i in suffix],
+            [q_starts[i] for i in suffix]) if suffix else None
         self.to_compress = [(batch.pool_rows[i], st) for i, st in enumerate(shadow)
                             if st is not None and st.compress_now]
 
@@ -70,6 +71,12 @@ class ShadowKVAttentionBackend(AttentionBackend):
         if st is None or st.layout is None:  # a dense request: its whole sequence is its window
             return SparseRequest(batch.pool_rows[i], None, None, batch.seq_lens[i])
         return SparseRequest(batch.pool_rows[i], st.scratch_row, st.layout, batch.seq_lens[i])
+
+    @staticmethod
+    def _suffix_request(batch: ForwardBatch, i: int) -> SuffixRequest:
+        st = batch.shadowkv[i]
+        return SuffixRequest(batch.pool_rows[i], st.scratch_row, st.layout, batch.seq_lens[i] - batch.extend_lens[i],
+                             batch.seq_lens[i], st.exact_prefill)
 
     # ---- CUDA-graph decode steps ------------------------------------------------------------------
     def init_graph_state(self, max_bs, max_kv_tokens, req_to_token):
@@ -81,6 +88,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
         replays the smallest that holds its longest compressed prefix)."""
         self.dense.init_graph_state(max_bs, max_kv_tokens, req_to_token)
         self.decoder.init_graph_state(max_bs, max_kv_tokens, GRAPH_OUTLIER_SEGMENTS * self.cfg.outliers)
+        self.suffix.init_graph_state(req_to_token.table.shape[1], GRAPH_OUTLIER_SEGMENTS * self.cfg.outliers)
         widths, w = [], MIN_GRAPH_CHUNK_COLUMNS
         while w < self.decoder.max_chunks:
             widths.append(w)
@@ -106,16 +114,36 @@ class ShadowKVAttentionBackend(AttentionBackend):
             return NO_GRAPH
         return width
 
+    def suffix_graph_variant(self, batch: ForwardBatch):
+        """A graph batch of suffixes (each padded in place) replays (SUFFIX_GRAPH, the smallest
+        chunk width that holds every compressed prefix), if none needs the eager path: a suffix
+        that attends every chunk (exact), or a prompt that compresses itself this step."""
+        reqs = []
+        for i, st in enumerate(batch.shadowkv):
+            if st is None:  # padding
+                continue
+            if st.layout is None or st.compress_now:
+                return NO_GRAPH
+            reqs.append(self._suffix_request(batch, i))
+        need = max(r.layout.num_chunks for r in reqs)
+        width = next((w for w in self._graph_widths if w >= need), None)
+        return NO_GRAPH if width is None or not self.suffix.graph_fits(reqs, width) else (SUFFIX_GRAPH, width)
+
     def begin_graph_step(self, batch: ForwardBatch, variant) -> None:
+        self.dense_batch = self.dense_rows = self.plan = self.sparse_rows = self.suffix_plan = None
+        self.to_compress = []
+        if isinstance(variant, tuple) and variant[0] == SUFFIX_GRAPH:
+            reqs = [self._suffix_request(batch, i) for i, st in enumerate(batch.shadowkv) if st is not None]
+            self.suffix_plan = self.suffix.plan_static(
+                self.req_to_token, reqs, batch.batch_size, len(batch.input_ids) // batch.batch_size, variant[1],
+                self.req_to_token.padding_row)
+            return
         if isinstance(variant, tuple):  # (DENSE_GRAPH, the dense backend's variant)
             self.dense.begin_graph_step(batch, variant[1])
-            self.dense_batch, self.dense_rows, self.plan, self.sparse_rows = batch, None, None, None
-            self.suffix_plan, self.to_compress = None, []
+            self.dense_batch = batch
             return
         reqs = [self._sparse_request(batch, i) for i in range(batch.batch_size)]
         self.plan = self.decoder.plan_step(self.req_to_token, reqs, width=variant, static=True)
-        self.dense_batch = self.dense_rows = self.sparse_rows = None
-        self.suffix_plan, self.to_compress = None, []
 
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         if self.dense_batch is not None and self.dense_rows is None:  # every row is dense
