@@ -243,7 +243,7 @@ def main() -> None:
     result = save_result(args.out, info, overrides, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
                          niah_hit=args.niah_hit, seconds=round(time.perf_counter() - t0, 1), tasks=tasks,
                          memo_and_niah=overall, counters=_counters_all(info),
-                         rows=rows)
+                         cuda_graph=info["steps"]["cuda_graph"], rows=rows)
     print_table(result, args)
 
 

@@ -120,9 +120,9 @@ class ShadowKVAttentionBackend(AttentionBackend):
         that attends every chunk (exact), or a prompt that compresses itself this step."""
         reqs = []
         for i, st in enumerate(batch.shadowkv):
-            if st is None:  # padding
+            if batch.extend_lens[i] == 0:  # a padding request
                 continue
-            if st.layout is None or st.compress_now:
+            if st is None or st.layout is None or st.compress_now:  # a dense prompt, or one compressing
                 return NO_GRAPH
             reqs.append(self._suffix_request(batch, i))
         need = max(r.layout.num_chunks for r in reqs)
@@ -133,7 +133,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
         self.dense_batch = self.dense_rows = self.plan = self.sparse_rows = self.suffix_plan = None
         self.to_compress = []
         if isinstance(variant, tuple) and variant[0] == SUFFIX_GRAPH:
-            reqs = [self._suffix_request(batch, i) for i, st in enumerate(batch.shadowkv) if st is not None]
+            reqs = [self._suffix_request(batch, i) for i in range(batch.batch_size) if batch.extend_lens[i]]
             self.suffix_plan = self.suffix.plan_static(
                 self.req_to_token, reqs, batch.batch_size, len(batch.input_ids) // batch.batch_size, variant[1],
                 self.req_to_token.padding_row)
