@@ -1,5 +1,5 @@
 """Decode steps as CUDA graphs, captured at startup per batch size and replayed by the scheduler;
-and the step of a lone short suffix over a compressed prefix, captured on first use per token count.
+and steps of short suffixes over compressed prefixes, captured on first use per shape.
 
 Eager decode launches a few hundred small kernels per step (ShadowKV adds scores, top-k, the chunk
 cache, key rebuild, value gather and sparse attention to every layer), so at small batches the
@@ -167,9 +167,12 @@ class CudaGraphRunner:
         self.positions[:rows].copy_(host[rows:2 * rows])
         self.suffix_logit_rows[:num].copy_(host[2 * rows:])
         self.suffix_q_indptr[:num + 1].copy_(torch.arange(0, rows + 1, tokens, dtype=torch.int32, device=self.device))
-        spans = [(it.pool_row, it.start, it.seq_len) for it in items]
-        spans = [s for i in range(num) for s in ([spans[i]] if i < len(items) else []) + [
-            (self.table.padding_row, 0, tokens - (items[i].num_new if i < len(items) else 0))]]
+        spans = []  # per request: its new tokens' slots, then its padding rows' (slot 0)
+        for i in range(num):
+            n = items[i].num_new if i < len(items) else 0
+            if n:
+                spans.append((items[i].pool_row, items[i].start, items[i].seq_len))
+            spans.append((self.table.padding_row, 0, tokens - n))
         self.out_cache_loc[:rows].copy_(self.table.span_slots(*map(list, zip(*spans))))
 
     def _forward(self, batch: ForwardBatch, key: tuple) -> None:

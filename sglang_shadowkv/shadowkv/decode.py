@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from sglang_shadowkv.kernels import gather_values as gv
 from sglang_shadowkv.kernels import landmark_scores as ls
@@ -22,7 +21,7 @@ from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 
 from .chunk_cache import plan_chunk_cache
 from .config import ShadowKVConfig
-from .request_state import CompressedLayout, pad_outliers
+from .request_state import CompressedLayout, copy_padded, selection_tables
 from .selection import budget_summary, select_chunks
 
 
@@ -190,25 +189,21 @@ class SparseDecoder:
         return StepPlan(rows, chunk_slots, outliers, lo, hi, budgets, top_k, window_indptr, window)
 
     def _selection_tables(self, reqs: list[SparseRequest], width: int, static: bool) -> tuple:
-        dev, b = self.pool.device, len(reqs)
-        empty = torch.zeros(0, dtype=torch.int64, device=dev)
-        slots = pad_sequence([empty if r.layout is None else r.layout.chunk_slots for r in reqs]
-                             + [empty.new_zeros(width)], batch_first=True, padding_value=self.pool.null_slot)[:b, :width].int()
-        outliers = pad_outliers([r.layout for r in reqs], self.pool.num_kv_heads, dev)
-        budget_list = [0 if r.layout is None else self.cfg.budget_chunks(r.layout.num_chunks - r.layout.num_outliers)
-                       for r in reqs]
+        dev, b, null = self.pool.device, len(reqs), self.pool.null_slot
+        slots, outliers, budget_list = selection_tables([r.layout for r in reqs], self.cfg, null,
+                                                        self.pool.num_kv_heads, dev)
         budgets = torch.tensor(budget_list, device=dev)
         rows = torch.tensor([self.dummy_row if r.scratch_row is None else r.scratch_row for r in reqs],
                             dtype=torch.int32, device=dev)
         if not static:
+            slots = torch.nn.functional.pad(slots, (0, width - slots.shape[1]), value=null)
             return rows, slots, *outliers, budgets, max(budget_list, default=0)
         plan = self.graph_plan
         width_o = plan.outliers.shape[2]
         plan.rows[:b].copy_(rows)
-        plan.chunk_slots[:b, :width].copy_(slots)
+        copy_padded(plan.chunk_slots[:b, :width], slots, null)
         for dst, src, fill in zip((plan.outliers, plan.outlier_lo, plan.outlier_hi), outliers, (-1, 0, 0)):
-            dst[:b].fill_(fill)
-            dst[:b, :, :src.shape[2]].copy_(src)
+            copy_padded(dst[:b], src, fill)
         plan.budgets[:b].copy_(budgets)
         return (plan.rows[:b], plan.chunk_slots[:b, :width], plan.outliers[:b, :, :width_o],
                 plan.outlier_lo[:b, :, :width_o], plan.outlier_hi[:b, :, :width_o], plan.budgets[:b],

@@ -15,6 +15,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, Segment
 
+from .config import ShadowKVConfig
+
 
 @dataclass
 class CompressedLayout:
@@ -92,6 +94,24 @@ def pad_outliers(layouts: list[CompressedLayout | None], num_kv_heads: int,
         return pad_sequence(rows, batch_first=True, padding_value=value).permute(0, 2, 1).contiguous()
 
     return pad("outlier_blocks", -1), pad("outlier_lo", 0), pad("outlier_hi", 0)
+
+
+def selection_tables(layouts: list[CompressedLayout | None], cfg: ShadowKVConfig, null_slot: int,
+                     num_kv_heads: int, device: torch.device):
+    """What a step's chunk selection reads per request: chunk slots [R, Nmax] int32 (padded with
+    the null slot, never selectable; none for a dense request's None), the outliers of
+    `pad_outliers`, and the budget (chunks per KV head; 0 for None) as a list."""
+    empty = torch.zeros(0, dtype=torch.int32, device=device)
+    slots = pad_sequence([empty if lay is None else lay.chunk_slots.int() for lay in layouts], batch_first=True,
+                         padding_value=null_slot)
+    budgets = [0 if lay is None else cfg.budget_chunks(lay.num_chunks - lay.num_outliers) for lay in layouts]
+    return slots, pad_outliers(layouts, num_kv_heads, device), budgets
+
+
+def copy_padded(dst: torch.Tensor, src: torch.Tensor, fill: int) -> None:
+    """dst (a fixed buffer of a CUDA-graph plan) = src in its leading corner, `fill` elsewhere."""
+    dst.fill_(fill)
+    dst[tuple(slice(0, n) for n in src.shape)].copy_(src)
 
 
 @dataclass

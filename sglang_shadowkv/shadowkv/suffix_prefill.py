@@ -34,13 +34,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from sglang_shadowkv.kernels import ragged_paged_attention as rpa
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
 
 from .decode import SparseDecoder
-from .request_state import CompressedLayout, pad_outliers
+from .request_state import CompressedLayout, copy_padded, selection_tables
 
 TILE = 64  # suffix queries that share one chunk selection
 WORK_BYTES = 1 << 29  # float32 scores a batched selection or attention may hold at once
@@ -58,6 +57,14 @@ class SuffixRequest:
     start: int  # first token of this step's chunk of the suffix
     seq_len: int  # tokens including this step's
     exact: bool
+
+    def dense_spans(self) -> list[tuple[int, int]]:
+        """Token spans it attends densely: its prefix's dense spans, then everything from the end
+        of the compressed part on (its own tokens included)."""
+        return [*self.layout.dense_spans, (self.layout.compressed_end, self.seq_len)]
+
+    def dense_tokens(self) -> int:
+        return sum(b - a for a, b in self.dense_spans())
 
 
 @dataclass
@@ -88,8 +95,8 @@ class SuffixPlan:
 @dataclass
 class SuffixGraphBuffers:
     """Where a graph step's plan lives: up to GRAPH_REQUESTS[-1] suffixes of up to GRAPH_TOKENS[-1]
-    query rows each (a suffix's real queries first, then padding)."""
-    q_indptr: torch.Tensor  # [R + 1] int32
+    query rows each (a suffix's real queries first, then padding). The query offsets are the
+    graph batch's own q_indptr."""
     dense_indptr: torch.Tensor  # [R + 1] int32
     dense_slots: torch.Tensor  # [R * (max dense tokens + max(GRAPH_TOKENS))] int32
     q_valid: torch.Tensor  # [R, max(GRAPH_TOKENS)] bool: the real queries
@@ -103,16 +110,16 @@ class SuffixPrefill:
     def __init__(self, decoder: SparseDecoder, use_triton: bool):
         self.decoder, self.use_triton = decoder, use_triton
         self.graph: SuffixGraphBuffers | None = None
-        self._static_plans: dict[tuple[int, int], SuffixPlan] = {}
+        self._static_plans: dict[tuple[int, int, int], SuffixPlan] = {}  # by (requests, tokens, width)
 
     # ---- once per step ------------------------------------------------------------------------
     def plan(self, table: ReqToTokenPool, reqs: list[SuffixRequest], q_starts: list[int]) -> SuffixPlan:
         """reqs and where each one's queries start among the step's rows (q_starts[i])."""
         dev, ints = self.decoder.pool.device, dict(dtype=torch.int32)
         n_q = [r.seq_len - r.start for r in reqs]
-        dense = [[*r.layout.dense_spans, (r.layout.compressed_end, r.seq_len)] for r in reqs]
+        dense = [r.dense_spans() for r in reqs]
         spans = [(r.table_row, a, b) for r, req_spans in zip(reqs, dense) for a, b in req_spans]
-        dense_indptr = [0, *itertools.accumulate(sum(b - a for a, b in req_spans) for req_spans in dense)]
+        dense_indptr = [0, *itertools.accumulate(r.dense_tokens() for r in reqs)]
         offsets = [0, *itertools.accumulate(n_q)]
         q_rows = torch.cat([torch.arange(s, s + n) for s, n in zip(q_starts, n_q)])
         rounds = []
@@ -134,16 +141,13 @@ class SuffixPrefill:
         dev, decoder = self.decoder.pool.device, self.decoder
         q_index = torch.tensor(firsts)[:, None] + torch.arange(width)
         q_valid = torch.arange(width) < torch.tensor(counts)[:, None]
-        layouts = [reqs[i].layout for i in members]
-        budgets = [decoder.cfg.budget_chunks(lay.num_chunks - lay.num_outliers) for lay in layouts]
-        slots = pad_sequence([lay.chunk_slots.int() for lay in layouts], batch_first=True,
-                             padding_value=decoder.pool.null_slot)
+        slots, outliers, budgets = selection_tables([reqs[i].layout for i in members], decoder.cfg,
+                                                    decoder.pool.null_slot, decoder.pool.num_kv_heads, dev)
         flat = torch.arange(q_index.numel()).view_as(q_index)
         take = (to_device(flat[q_valid], dev), to_device(q_index[q_valid], dev))  # here: no device sync
         return SuffixRound(to_device(torch.where(q_valid, q_index, q_index[:, :1]), dev), to_device(q_valid, dev), take,
                            to_device(torch.tensor([reqs[i].scratch_row for i in members], dtype=torch.int32), dev),
-                           slots.to(dev), pad_outliers(layouts, decoder.pool.num_kv_heads, dev),
-                           to_device(torch.tensor(budgets), dev), max(budgets), exact)
+                           slots, outliers, to_device(torch.tensor(budgets), dev), max(budgets), exact)
 
     # ---- CUDA-graph steps: suffixes padded to a fixed shape -----------------------------------
     def init_graph_state(self, max_dense_tokens: int, max_outliers: int) -> None:
@@ -153,8 +157,9 @@ class SuffixPrefill:
         def ints(*shape, fill=0):
             return torch.full(shape, fill, dtype=torch.int32, device=dev)
 
+        self._static_plans.clear()  # views of the buffers replaced here
         self.graph = SuffixGraphBuffers(
-            ints(r + 1), ints(r + 1), ints(r * (max_dense_tokens + t)), torch.zeros(r, t, dtype=torch.bool, device=dev),
+            ints(r + 1), ints(r * (max_dense_tokens + t)), torch.zeros(r, t, dtype=torch.bool, device=dev),
             ints(r, fill=decoder.dummy_row), ints(r, decoder.max_chunks, fill=decoder.pool.null_slot),
             (ints(r, h, max_outliers, fill=-1), ints(r, h, max_outliers), ints(r, h, max_outliers)),
             torch.zeros(r, dtype=torch.int64, device=dev))
@@ -165,55 +170,46 @@ class SuffixPrefill:
         per_request = g.dense_slots.numel() // GRAPH_REQUESTS[-1] - GRAPH_TOKENS[-1]
         return g is not None and len(reqs) <= GRAPH_REQUESTS[-1] and width <= self.decoder.max_chunks and all(
             not req.exact and req.layout.num_chunks <= width and req.layout.num_outliers <= g.outliers[0].shape[2]
-            and req.seq_len - req.start <= GRAPH_TOKENS[-1] and _dense_tokens(req) <= per_request for req in reqs)
+            and req.seq_len - req.start <= GRAPH_TOKENS[-1] and req.dense_tokens() <= per_request for req in reqs)
 
-    def plan_static(self, table: ReqToTokenPool, reqs: list[SuffixRequest], num_requests: int, tokens: int,
+    def plan_static(self, table: ReqToTokenPool, reqs: list[SuffixRequest], q_indptr: torch.Tensor, tokens: int,
                     width: int, padding_row: int) -> SuffixPlan:
-        """The plan of a graph step of num_requests suffixes of `tokens` query rows each (sizes
-        from GRAPH_REQUESTS and GRAPH_TOKENS), written into the fixed buffers. A suffix's real
-        queries come first; its padding queries come last and attend only slots of the reserved
-        page, appended after its keys, so the causal rule keeps them invisible to the real ones.
-        Requests past len(reqs) are all padding (a capture: none). The plan's shapes depend only
-        on (num_requests, tokens, width), so every step of that shape replays one graph."""
+        """The plan of a graph step of suffixes of `tokens` query rows each (q_indptr [R + 1]: the
+        graph batch's, i * tokens; sizes from GRAPH_REQUESTS and GRAPH_TOKENS), written into the
+        fixed buffers. A suffix's real queries come first; its padding queries come last and
+        attend only slots of the reserved page, appended after its keys, so the causal rule keeps
+        them invisible to the real ones. Requests past len(reqs) are all padding (a capture:
+        none). The plan's shapes depend only on (R, tokens, width), so every step of that shape
+        replays one graph."""
         g, decoder, dev = self.graph, self.decoder, self.decoder.pool.device
-        n_q = [r.seq_len - r.start for r in reqs] + [0] * (num_requests - len(reqs))
+        num = q_indptr.numel() - 1
+        n_q = [r.seq_len - r.start for r in reqs] + [0] * (num - len(reqs))
         order = []  # per request: its dense spans, then its padding keys (slot 0 of the padding row)
         for i, n in enumerate(n_q):
             if i < len(reqs):
-                lay = reqs[i].layout
-                order += [(reqs[i].table_row, a, b) for a, b in [*lay.dense_spans, (lay.compressed_end, reqs[i].seq_len)]]
+                order += [(reqs[i].table_row, a, b) for a, b in reqs[i].dense_spans()]
             order.append((padding_row, 0, tokens - n))
-        lens = [(_dense_tokens(reqs[i]) if i < len(reqs) else 0) + tokens - n for i, n in enumerate(n_q)]
+        lens = [(reqs[i].dense_tokens() if i < len(reqs) else 0) + tokens - n for i, n in enumerate(n_q)]
         indptr = [0, *itertools.accumulate(lens)]
-        host = torch.tensor([*(i * tokens for i in range(num_requests + 1)), *indptr], dtype=torch.int32)
-        both = to_device(host, dev)
-        g.q_indptr[:num_requests + 1].copy_(both[:num_requests + 1])
-        g.dense_indptr[:num_requests + 1].copy_(both[num_requests + 1:])
+        g.dense_indptr[:num + 1].copy_(to_device(torch.tensor(indptr, dtype=torch.int32), dev))
         g.dense_slots[:indptr[-1]].copy_(table.span_slots(*map(list, zip(*order))))
-        g.q_valid[:num_requests].copy_(to_device(torch.arange(g.q_valid.shape[1]) < torch.tensor(n_q)[:, None], dev))
-        g.rows.fill_(decoder.dummy_row)
-        g.chunk_slots.fill_(decoder.pool.null_slot)
-        g.budgets.zero_()
-        for buf, fill in zip(g.outliers, (-1, 0, 0)):
-            buf.fill_(fill)
-        if reqs:
-            layouts = [r.layout for r in reqs]
-            g.rows[:len(reqs)].copy_(to_device(torch.tensor([r.scratch_row for r in reqs], dtype=torch.int32), dev))
-            slots = pad_sequence([lay.chunk_slots.int() for lay in layouts], batch_first=True,
-                                 padding_value=decoder.pool.null_slot)
-            g.chunk_slots[:len(reqs), :slots.shape[1]].copy_(slots)
-            for buf, src in zip(g.outliers, pad_outliers(layouts, decoder.pool.num_kv_heads, dev)):
-                buf[:len(reqs), :, :src.shape[2]].copy_(src)
-            budgets = [decoder.cfg.budget_chunks(lay.num_chunks - lay.num_outliers) for lay in layouts]
-            g.budgets[:len(reqs)].copy_(to_device(torch.tensor(budgets), dev))
-        key = (num_requests, tokens, width)
+        g.q_valid[:num].copy_(to_device(torch.arange(g.q_valid.shape[1]) < torch.tensor(n_q)[:, None], dev))
+        slots, outliers, budgets = selection_tables([r.layout for r in reqs] + [None] * (num - len(reqs)), decoder.cfg,
+                                                    decoder.pool.null_slot, decoder.pool.num_kv_heads, dev)
+        rows = [r.scratch_row for r in reqs] + [decoder.dummy_row] * (num - len(reqs))
+        g.rows[:num].copy_(to_device(torch.tensor(rows, dtype=torch.int32), dev))
+        copy_padded(g.chunk_slots[:num], slots, decoder.pool.null_slot)
+        for buf, src, fill in zip(g.outliers, outliers, (-1, 0, 0)):
+            copy_padded(buf[:num], src, fill)
+        g.budgets[:num].copy_(to_device(torch.tensor(budgets), dev))
+        key = (num, tokens, width)
         if key not in self._static_plans:
-            self._static_plans[key] = self._static_plan(*key)
+            self._static_plans[key] = self._static_plan(q_indptr, tokens, width)
         return self._static_plans[key]
 
-    def _static_plan(self, num_requests: int, tokens: int, width: int) -> SuffixPlan:
+    def _static_plan(self, q_indptr: torch.Tensor, tokens: int, width: int) -> SuffixPlan:
         """The plan's tensors for one graph shape: views of the buffers, and constant indices."""
-        g, dev, r = self.graph, self.decoder.pool.device, num_requests
+        g, dev, r = self.graph, self.decoder.pool.device, q_indptr.numel() - 1
         t = min(TILE, tokens)
         rounds = []
         for first in range(0, tokens, t):
@@ -222,8 +218,8 @@ class SuffixPrefill:
                                       q_index.flatten()), g.rows[:r], g.chunk_slots[:r, :width],
                                       tuple(o[:r] for o in g.outliers), g.budgets[:r],
                                       self.decoder.cfg.budget_chunks(width), False))
-        return SuffixPlan(torch.arange(r * tokens, device=dev), g.q_indptr[:r + 1], g.dense_indptr[:r + 1],
-                          g.dense_slots, rounds, tokens)
+        return SuffixPlan(torch.arange(r * tokens, device=dev), q_indptr, g.dense_indptr[:r + 1], g.dense_slots,
+                          rounds, tokens)
 
     # ---- per layer ----------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, layer: int, plan: SuffixPlan, kv_pool: PagedKVPool) -> torch.Tensor:
@@ -356,13 +352,6 @@ def exact_bf16_matmul(on_gpu: bool):
         yield
     finally:
         torch.set_float32_matmul_precision(before)
-
-
-def _dense_tokens(req: SuffixRequest) -> int:
-    """Keys a suffix attends densely: its prefix's dense spans and everything from the end of the
-    compressed part on."""
-    lay = req.layout
-    return sum(b - a for a, b in lay.dense_spans) + req.seq_len - lay.compressed_end
 
 
 def _groups(count: int, bytes_each: int) -> list[tuple[int, int]]:

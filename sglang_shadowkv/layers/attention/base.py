@@ -136,8 +136,8 @@ class AttentionBackend(ABC):
         return None if sum(batch.seq_lens) <= self._graph_kv_indices.numel() else NO_GRAPH
 
     def suffix_graph_variant(self, batch: ForwardBatch):
-        """The variant a graph batch of one prompt chunk then padding (cuda_graph_runner's suffix
-        step) replays with; dense backends run prompt chunks eagerly (NO_GRAPH)."""
+        """The variant a graph batch of prompt chunks, each padded in place (cuda_graph_runner's
+        suffix step), replays with; dense backends run prompt chunks eagerly (NO_GRAPH)."""
         return NO_GRAPH
 
     def begin_graph_step(self, batch: ForwardBatch, variant) -> None:

@@ -26,7 +26,7 @@ from sglang_shadowkv.shadowkv.suffix_prefill import SuffixPlan, SuffixPrefill, S
 from .base import NO_GRAPH, AttentionBackend, ForwardBatch
 
 DENSE_GRAPH = "dense"  # graph variants (DENSE_GRAPH, v): batches without a compressed prefix
-SUFFIX_GRAPH = "suffix"  # graph variants (SUFFIX_GRAPH, width): one suffix over a compressed prefix
+SUFFIX_GRAPH = "suffix"  # graph variants (SUFFIX_GRAPH, width): suffixes over compressed prefixes
 MIN_GRAPH_CHUNK_COLUMNS = 256
 GRAPH_OUTLIER_SEGMENTS = 2  # a decode graph holds the outliers of this many segments per request
 
@@ -135,7 +135,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
         if isinstance(variant, tuple) and variant[0] == SUFFIX_GRAPH:
             reqs = [self._suffix_request(batch, i) for i in range(batch.batch_size) if batch.extend_lens[i]]
             self.suffix_plan = self.suffix.plan_static(
-                self.req_to_token, reqs, batch.batch_size, len(batch.input_ids) // batch.batch_size, variant[1],
+                self.req_to_token, reqs, batch.q_indptr, len(batch.input_ids) // batch.batch_size, variant[1],
                 self.req_to_token.padding_row)
             return
         if isinstance(variant, tuple):  # (DENSE_GRAPH, the dense backend's variant)
