@@ -74,21 +74,23 @@ def timeit(fn, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def segment_store(num_segments: int, tokens: int, outliers: int) -> tuple[ShadowKVPool, list[Segment]]:
+def segment_store(num_segments: int, tokens: int, outliers: int,
+                  scratch_pages: int) -> tuple[ShadowKVPool, list[Segment]]:
     """A one-layer compressed pool inside a dense pool of its own, just big enough for num_segments
-    segments of `tokens` tokens (from position 0), allocated."""
+    segments of `tokens` tokens (from position 0), allocated, and scratch_pages pages of chunk-cache
+    scratch."""
     n = tokens // CHUNK
     layout = slot_layout(CHUNK, HKV, D, RANK, DT, DT, DT)
-    pages = num_segments * segment_pages(layout, n, outliers, RANK, CHUNK) + 2  # + page 0, the null page
+    pages = num_segments * segment_pages(layout, n, outliers, RANK, CHUNK) + scratch_pages + 2  # + page 0, null page
     store = ShadowKVPool(PagedKVPool(pages, CHUNK, 1, HKV, D, DT, DEV), RANK, num_segments * n, num_segments)
     return store, [store.alloc_segment(0, tokens, outliers) for _ in range(num_segments)]
 
 
 def random_segments(num_segments: int, tokens: int, cfg: ShadowKVConfig, rotary: RotaryEmbedding,
-                    gen: torch.Generator) -> tuple[ShadowKVPool, list[Segment]]:
+                    gen: torch.Generator, scratch_pages: int) -> tuple[ShadowKVPool, list[Segment]]:
     """segment_store's segments, each compressed as the engine does (compress_layer, cfg's rank and
     outliers) from i.i.d. random keys and values."""
-    store, segs = segment_store(num_segments, tokens, cfg.num_outliers(tokens // CHUNK))
+    store, segs = segment_store(num_segments, tokens, cfg.num_outliers(tokens // CHUNK), scratch_pages)
     for seg in segs:
         k, v = (torch.randn(tokens, HKV, D, dtype=DT, device=DEV, generator=gen) for _ in range(2))
         compress_layer(store, seg, 0, k, v, rotary, cfg)
@@ -103,23 +105,23 @@ def bandwidth_and_overlap(num_slots: int, batch: int, entries: int) -> dict:
     rebuild_fn = rebuild_keys if CUDA else rebuild_keys_reference
     rotary = RotaryEmbedding(D, 500000.0, num_slots * CHUNK).to(DEV)
     store, (seg,) = random_segments(1, num_slots * CHUNK, ShadowKVConfig(rank=RANK), rotary,
-                                    torch.Generator(device=DEV).manual_seed(0))
+                                    torch.Generator(device=DEV).manual_seed(0), batch * entries)
     host = store.host_v[0]  # pinned on a GPU
     gen = torch.Generator().manual_seed(0)
     jobs = torch.stack([seg.chunk_slots[torch.randperm(num_slots, generator=gen)[:entries].to(DEV)]
                         for _ in range(batch * HKV)]).view(batch, HKV, entries)
-    rows = torch.arange(batch, dtype=torch.int32, device=DEV)
-    scratch_v = torch.empty(batch, HKV, entries, CHUNK, D, dtype=DT, device=DEV)
+    rows = torch.arange(batch, dtype=torch.int32, device=DEV)  # scratch rows: `entries` pool pages each
+    scratch_pages = torch.tensor(store.kv.alloc(batch * entries), dtype=torch.int32, device=DEV).view(batch, entries)
+    blocks_k, blocks_v = store.blocks_k[0], store.blocks_v[0]
     moved = jobs.numel() * CHUNK * D * host.element_size()
     dst = torch.empty(moved // host.element_size(), dtype=DT, device=DEV)
     src = host.view(-1)[:dst.numel()]
     t_copy = timeit(lambda: dst.copy_(src, non_blocking=True))
     # key rebuild of the same jobs, alone and concurrent with the gather on a second stream
-    scratch_k = torch.empty_like(scratch_v)
 
     def rebuild():
         rebuild_fn(store.a_lo[0], store.a_hi[0], *store.basis_memory(0), rotary.cos_cache, rotary.sin_cache,
-                     store.chunk_pos, store.chunk_basis, jobs, scratch_k, rows, store.basis_rank[0])
+                   store.chunk_pos, store.chunk_basis, jobs, blocks_k, scratch_pages, rows, store.basis_rank[0])
 
     t_rebuild = timeit(rebuild)
     side = torch.cuda.Stream() if CUDA else None
@@ -128,9 +130,9 @@ def bandwidth_and_overlap(num_slots: int, batch: int, entries: int) -> dict:
     for programs in (sms // 2, sms, 2 * sms, 4 * sms, 16 * sms):
         def gather():
             if CUDA:
-                gather_values(host, store.host_slot, jobs, scratch_v, rows, programs=programs)
+                gather_values(host, store.host_slot, jobs, blocks_v, scratch_pages, rows, programs=programs)
             else:
-                gather_values_reference(host, store.host_slot, jobs, scratch_v, rows)
+                gather_values_reference(host, store.host_slot, jobs, blocks_v, scratch_pages, rows)
 
         def both():
             if side is None:
@@ -148,9 +150,10 @@ def bandwidth_and_overlap(num_slots: int, batch: int, entries: int) -> dict:
                       "gather_vs_copy": t_copy / t_gather, "gather_ms": t_gather * 1e3,
                       "both_two_streams_ms": t_both * 1e3,
                       "rebuild_hidden_fraction": max(0.0, min(1.0, (t_rebuild + t_gather - t_both) / t_rebuild))})
-    scratch_v.fill_(0)
-    (gather_values if CUDA else gather_values_reference)(host, store.host_slot, jobs, scratch_v, rows)
-    ok = torch.equal(scratch_v[1, 3, 5].cpu(), host[store.host_slot[jobs[1, 3, 5]].item(), 3])
+    blocks_v.fill_(0)
+    (gather_values if CUDA else gather_values_reference)(host, store.host_slot, jobs, blocks_v, scratch_pages, rows)
+    entry = blocks_v[scratch_pages[1, 5].item() * HKV + 3]  # row 1, entry 5, KV head 3
+    ok = torch.equal(entry.cpu(), host[store.host_slot[jobs[1, 3, 5]].item(), 3])
     best = grids[2]  # the default grid: two programs per SM
     return {"chunks_moved": jobs.numel(), "bytes": moved, "pinned_h2d_copy_GBps": moved / t_copy / 1e9,
             "rebuild_ms": t_rebuild * 1e3, "gather_correct": ok, **best, "by_grid": grids}
@@ -190,8 +193,8 @@ def decode_layer(context: int, batches: list[int], steps: int, window: int) -> l
     n = context // CHUNK
     gen = torch.Generator(device=DEV).manual_seed(0)
     rotary = RotaryEmbedding(D, 500000.0, context + window + steps + 8).to(DEV)
-    store, segs = random_segments(max_b, context, cfg, rotary, gen)
-    decoder = SparseDecoder(store, cfg, rotary, max_b, n, CUDA)
+    store, segs = random_segments(max_b, context, cfg, rotary, gen, max_b * cfg.budget_chunks(n))
+    decoder = SparseDecoder(store, cfg, rotary, max_b, n, CUDA)  # its rows' pages: budget_chunks(n) each
     # dense pool: the full KV of every request (the full-attention baseline) + each one's window
     kv_pool = PagedKVPool(max_b * (context + window) // CHUNK + 2, CHUNK, 1, HKV, D, DT, DEV)
     for buf in (kv_pool.k_buffers[0], kv_pool.v_buffers[0]):
@@ -292,7 +295,7 @@ def compression_cost(context: int) -> dict:
     runs on a side stream, overlapping the next layer) and time until that copy is done too, the
     pieces' times, and each method's key reconstruction error against the SVD's (the optimum)."""
     cfg = ShadowKVConfig(rank=RANK, outliers=48)
-    store, (seg,) = segment_store(1, context, cfg.num_outliers(context // CHUNK))
+    store, (seg,) = segment_store(1, context, cfg.num_outliers(context // CHUNK), 0)
     rotary = RotaryEmbedding(D, 500000.0, context).to(DEV)
     gen = torch.Generator(device=DEV).manual_seed(1)
     spectrum = torch.arange(1, HKV * D + 1, device=DEV) ** -0.75  # keys' singular values decay slowly

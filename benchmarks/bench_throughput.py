@@ -204,14 +204,16 @@ def shadowkv_requests(loaded, backend: str, batch: int, context: int, keys: str,
                       storage: str = "model"):
     """`batch` requests, each a compressed segment plus a dense window of random KV; shared: one
     segment for all. storage: the dtype of host values and landmarks (shadowkv_value_dtype,
-    shadowkv_landmark_dtype). The dense pool holds the windows and the segments' pages, no more."""
+    shadowkv_landmark_dtype). The dense pool holds the windows, the segments' pages and the
+    requests' chunk-cache scratch rows, no more."""
     window, segments = 256, 1 if shared else batch
     args = runner_args(loaded, "shadowkv", backend, batch, batch * window + 64, shadowkv_max_requests=batch,
                        shadowkv_host_tokens=segments * context, shadowkv_min_context=1024,
                        shadowkv_value_dtype=storage, shadowkv_landmark_dtype=storage)
     cfg = args.shadowkv.resolve_storage(CUDA)
     span = cfg.compressed_len(context, args.page_size)
-    args.max_total_tokens += segments * segment_pages_needed(cfg, loaded, span) * args.page_size
+    row_pages = cfg.budget_chunks(loaded.config.context_length // cfg.chunk_size)  # SparseDecoder.row_pages
+    args.max_total_tokens += (segments * segment_pages_needed(cfg, loaded, span) + batch * row_pages) * args.page_size
     runner = ModelRunner(args, loaded)
     seg = compressed_segment(runner, loaded, span, keys, gen) if shared else None
     items = []

@@ -16,6 +16,7 @@ from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 
 ATTENTION_MODES = ("full", "shadowkv", "streamingllm", "snapkv")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULE_POLICIES = ("hrrn", "fcfs")
 SHADOWKV_PREFIX = "shadowkv_"
 
 
@@ -39,7 +40,13 @@ class ServerArgs:
     max_total_tokens: int | None = _field(None, "KV pool size in tokens (default: from --mem-fraction-static)")
     mem_fraction_static: float = _field(0.85, "GPU: share of the free memory after the weights for the KV pools")
     max_running_requests: int = _field(64, "requests running at once; the rest wait")
-    chunked_prefill_size: int = _field(2048, "most prompt tokens prefilled in one step")
+    chunked_prefill_size: int | None = _field(None, "most prompt tokens prefilled in one step (default, as SGLang "
+                                              "sets it: 8192 on a GPU of 60 GB or more, 4096 from 20 GB, else "
+                                              "and on a CPU 2048)")
+    schedule_policy: str = _field("hrrn", "order of waiting requests and of prefill chunks: hrrn (highest response "
+                                  "ratio next: prefill tokens computed since a request arrived over the prompt "
+                                  "tokens it still needs; a question on a cached document goes first, a cold one "
+                                  "ages and never starves) or fcfs (arrival order)")
     disable_cuda_graph: bool = _field(False, "GPU: run decode steps eagerly (by default they replay CUDA graphs "
                                       "captured at startup per batch size)")
     cuda_graph_max_bs: int | None = _field(None, "largest decode batch captured as a CUDA graph; larger ones run "
@@ -98,10 +105,12 @@ class ServerArgs:
             if self.eviction_budget <= getattr(self, kept):
                 raise ValueError(f"eviction_budget ({self.eviction_budget}) must exceed {kept} "
                                  f"({getattr(self, kept)})")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _positive(self, "page_size", "max_running_requests", "chunked_prefill_size")
-        for name in ("cuda_graph_max_bs", "context_length", "max_total_tokens"):
+        _positive(self, "page_size", "max_running_requests")
+        for name in ("cuda_graph_max_bs", "context_length", "max_total_tokens", "chunked_prefill_size"):
             if getattr(self, name) is not None:
                 _positive(self, name)
         if not 0.0 < self.mem_fraction_static < 1.0:

@@ -181,6 +181,42 @@ def test_suffixes_over_a_compressed_prefix_replay_a_graph_and_give_the_eager_tok
         assert_shadow_pools_clean(eng)
 
 
+def test_a_step_mixing_prompts_with_compressed_decodes_runs_in_parts(shadow_pair):
+    """Decodes over a compressed document, a question over it and a dense prompt in one step: the
+    decodes and the question replay their graphs and only the dense prompt runs eagerly (three
+    launches), with the eager step's tokens."""
+    plain, graphed = shadow_pair
+    tok = plain.tokenizer
+    doc, questions = document_and_questions(tok, 1200, 43)
+    dense = tok.encode(SHORT[1], add_special_tokens=False)
+
+    def run(eng):
+        sched = eng.scheduler
+        eng.flush_cache()
+        greedy_answers(sched, doc, questions[:1], 2)  # the document, compressed and cached
+        first = sched.add_request("a", doc + questions[1], SamplingParams(max_new_tokens=8, temperature=0))
+        while not first.prompt_done:
+            sched.step()
+        rest = [sched.add_request("b", doc + questions[2], SamplingParams(max_new_tokens=6, temperature=0)),
+                sched.add_request("c", dense, SamplingParams(max_new_tokens=6, temperature=0))]
+        parts_steps = 0
+        while sched.has_work:
+            graphs, eager = sched.runner.graphs, sched.runner.eager_steps
+            replays = None if graphs is None else graphs.replays
+            sched.step()
+            if graphs is not None and graphs.replays - replays >= 2 and sched.runner.eager_steps > eager:
+                parts_steps += 1
+        return [r.output_ids for r in [first, *rest]], parts_steps
+
+    want, _ = run(plain)
+    got, parts_steps = run(graphed)
+    assert got == want
+    assert parts_steps >= 1  # the step that took b's question and c's prompt beside a's decode
+    for eng in (plain, graphed):
+        assert_pool_clean(eng)
+        assert_shadow_pools_clean(eng)
+
+
 def test_overlap_finds_stops_one_step_late_and_drops_the_extra_token(engine):
     """A stop string ends the request; the step launched before it was seen must not add a token."""
     ids = engine.tokenizer.encode("Count: 1, 2, 3, 4, 5,", add_special_tokens=False)

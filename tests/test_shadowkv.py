@@ -431,8 +431,9 @@ def test_sparse_suffix_prefill_agrees_with_exact_attention_over_the_prefix(shado
     questions = questions[:3] + [long_prompt(shadow_engine.tokenizer, 150, 32)]  # three tiles of queries
     exact = greedy_answers(suffix_scheduler(shadow_engine, shadowkv_sparse_prefill_max=0), doc, questions, 8)
     sched = suffix_scheduler(shadow_engine)
-    for scratch in sched.runner.decoder.scratch_k + sched.runner.decoder.scratch_v:
-        scratch.fill_(float("nan"))  # allocated uninitialized: what was never written is never read
+    pool = sched.runner.pool
+    for buf in pool.k_buffers + pool.v_buffers:  # scratch rows take pages as they are: what was never
+        buf.view(pool.num_pages, -1)[pool.free_ids()] = float("nan")  # written is never read
     sparse = greedy_answers(sched, doc, questions, 8)
     assert sched.stats["compressions"] == 1 and sched.stats["compressed_prefix_hits"] == len(questions)
     assert sched.stats["prefill_tokens"] < 1200 + sum(len(q) for q in questions) * 2  # no restore

@@ -51,6 +51,32 @@ def test_landmark_logits(group, head_dim, num_chunks, int8):
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
 
+def _scratch_table(gen, pages: torch.Tensor, rows: int, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A scratch page table [rows, entries] (int32) of distinct pages drawn at random from `pages`
+    (so rows are not contiguous and have pages no row names between them), and the pages left."""
+    order = pages[torch.randperm(pages.numel(), generator=gen)]
+    return order[:rows * entries].view(rows, entries).int(), order[rows * entries:]
+
+
+def _page_blocks(pages: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Every [c, D] block of the given pages (block page·Hkv + h)."""
+    return (pages.long()[:, None] * hkv + torch.arange(hkv)).flatten()
+
+
+def assert_writes_only_jobs(got: torch.Tensor, before: torch.Tensor, poisoned_pages: torch.Tensor,
+                            table: torch.Tensor, rows: torch.Tensor, jobs: torch.Tensor) -> None:
+    """Of the NaN-poisoned pages' blocks exactly the jobs' entries were written (not the hits, not
+    the pages no row names), and every other block is bit for bit as before."""
+    hkv = jobs.shape[1]
+    targets = {int(table[int(rows[b]), e]) * hkv + h for b, h, e in (jobs >= 0).nonzero().tolist()}
+    poisoned = _page_blocks(poisoned_pages, hkv).to(got.device)
+    written = poisoned[~got[poisoned].isnan().flatten(1).all(1)]
+    assert set(written.tolist()) == targets and targets
+    others = torch.ones(len(got), dtype=torch.bool, device=got.device)
+    others[poisoned] = False
+    assert torch.equal(got[others].view(torch.int32), before[others].view(torch.int32))
+
+
 def _pool_with_segments(gen, chunk_size, hkv, head_dim, rank, chunks=(5, 9, 3)):
     """A compressed pool inside a dense pool (one layer) holding segments with random low-rank rows
     and bases written through the pool (every column, past any rank too)."""
@@ -81,7 +107,12 @@ def test_rebuild_keys(chunk_size, rank, hkv, head_dim, ranked):
     picks = torch.stack([slots[torch.randperm(len(slots), generator=gen)[:entries]] for _ in range(batch * hkv)])
     jobs = torch.where(torch.rand(picks.shape, generator=gen) < 0.3, -1, picks).view(batch, hkv, entries).to(DEVICE)
     rows = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
-    scratch = torch.full((5, hkv, entries, chunk_size, head_dim), float("nan"), device=DEVICE)
+    # scratch rows: random free pages of the pool, poisoned like every page they might land between
+    free = torch.tensor(store.kv.alloc(store.kv.num_free))
+    table, _ = _scratch_table(gen, free, 5, entries)
+    blocks = store.blocks_k[0].clone()
+    blocks[_page_blocks(free, hkv).to(DEVICE)] = float("nan")
+    pages = table.to(DEVICE)
     # each segment its own rank (past it the pool holds values that must not be read), one over the width
     ranks = [rank, 1, rank + 5]
     basis_rank = None
@@ -90,11 +121,10 @@ def test_rebuild_keys(chunk_size, rank, hkv, head_dim, ranked):
         basis_rank[[seg.seg_id for seg in segs]] = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
     args = (store.a_lo[0], store.a_hi[0], *store.basis_memory(0), rotary.cos_cache, rotary.sin_cache,
             store.chunk_pos, store.chunk_basis, jobs)
-    got = rebuild_keys(*args, scratch.clone(), rows, basis_rank)
-    want = rebuild_keys_reference(*args, scratch.clone(), rows, basis_rank)
+    got = rebuild_keys(*args, blocks.clone(), pages, rows, basis_rank)
+    want = rebuild_keys_reference(*args, blocks.clone(), pages, rows, basis_rank)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, equal_nan=True)
-    written = ~want.isnan()
-    assert written.any() and (~written).any()  # misses written, hits left alone
+    assert_writes_only_jobs(want, blocks, free, table, rows, jobs)
     k_pages, v_pages, basis_pages = store.basis_memory(0)
     for b, h, e in (jobs >= 0).nonzero().tolist()[:6]:  # the reference itself, chunk by chunk
         slot = int(jobs[b, h, e])
@@ -105,7 +135,8 @@ def test_rebuild_keys(chunk_size, rank, hkv, head_dim, ranked):
                             1).flatten(0, 2)[:r]
         pre = (low @ basis).view(chunk_size, hkv, head_dim)
         pos = torch.arange(int(store.chunk_pos[slot]), int(store.chunk_pos[slot]) + chunk_size, device=DEVICE)
-        torch.testing.assert_close(want[int(rows[b]), h, e], rotary.apply(pre, pos)[:, h], rtol=1e-4, atol=1e-4)
+        block = int(table[int(rows[b]), e]) * hkv + h
+        torch.testing.assert_close(want[block], rotary.apply(pre, pos)[:, h], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -124,36 +155,49 @@ def test_gather_values(chunk_size, head_dim, int8):
         assert host.is_pinned() and host.data_ptr() == owner.tensor.data_ptr()
     jobs = _jobs(gen, batch, hkv, entries, slots).to(DEVICE)
     rows = torch.tensor([1, 5, 0, 3], dtype=torch.int32, device=DEVICE)
-    scratch = torch.full((6, hkv, entries, chunk_size, head_dim), float("nan"), device=DEVICE)
+    # the pool's V memory as blocks: scratch rows on random pages, NaN in every page they may use
+    num_pages = 100
+    scratch_pages, spare = _scratch_table(gen, torch.arange(1, num_pages), 6, entries)
+    blocks = torch.randn(num_pages * hkv, chunk_size, head_dim, generator=gen)
+    poisoned = torch.cat([scratch_pages.flatten(), spare])
+    blocks[_page_blocks(poisoned, hkv)] = float("nan")
     host_slot = torch.randperm(slots, generator=gen).int().to(DEVICE)  # chunk slot -> host slot
-    got = gather_values(host, host_slot, jobs, scratch.clone(), rows, scale)
-    want = gather_values_reference(host, host_slot, jobs, scratch.clone(), rows, scale)
+    blocks, pages = blocks.to(DEVICE), scratch_pages.to(DEVICE)
+    got = gather_values(host, host_slot, jobs, blocks.clone(), pages, rows, scale)
+    want = gather_values_reference(host, host_slot, jobs, blocks.clone(), pages, rows, scale)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-    assert want.isnan().any() and not want.isnan().all()
+    assert_writes_only_jobs(want, blocks, poisoned, scratch_pages, rows, jobs)
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("chunk_size,head_dim", [(8, 64), (4, 32)])
 def test_sparse_decode_attention(group, chunk_size, head_dim):
     gen = torch.Generator().manual_seed(group * 10 + head_dim)
-    batch, hkv, out_blocks, entries, pool_slots = 3, 2, 30, 9, 300
+    batch, hkv, entries, pool_slots, num_pages = 3, 2, 9, 300, 80
     q = torch.randn(batch, hkv * group, head_dim, generator=gen)
-    out_k, out_v = (torch.randn(out_blocks, chunk_size, head_dim, generator=gen) for _ in range(2))
-    outliers = torch.randint(1, out_blocks, (batch, hkv, 5), generator=gen).int()
+    # one block array for outliers and scratch: outliers on 15 random pages, scratch rows on others
+    order = torch.randperm(num_pages - 1, generator=gen) + 1
+    outlier_pages = order[:15]
+    scratch_pages, spare = _scratch_table(gen, order[15:], 4, entries)
+    blocks_k, blocks_v = (torch.randn(num_pages * hkv, chunk_size, head_dim, generator=gen) for _ in range(2))
+    outliers = (outlier_pages[torch.randint(0, 15, (batch, hkv, 5), generator=gen)] * hkv
+                + torch.arange(hkv)[:, None]).int()
     outliers[0, :, 3:] = -1  # fewer outliers for request 0
-    scratch_k, scratch_v = (torch.randn(4, hkv, entries, chunk_size, head_dim, generator=gen) for _ in range(2))
     ent = torch.stack([torch.randperm(entries, generator=gen) for _ in range(batch * hkv)]).view(batch, hkv, entries)
     ent[1, :, 6:] = -1  # request 1 selected fewer chunks than the budget
-    for h in range(hkv):  # the entries it does not hold were never written: garbage, never read
+    rows = torch.tensor([2, 0, 3], dtype=torch.int32)
+    unread = [_page_blocks(spare, hkv), _page_blocks(scratch_pages[1], hkv)]  # pages no request's row names
+    for h in range(hkv):  # the entries request 1 does not hold were never written: garbage, never read
         unheld = torch.ones(entries, dtype=torch.bool)
         unheld[ent[1, h, :6]] = False
-        scratch_k[0, h, unheld] = scratch_v[0, h, unheld] = float("nan")
+        unread.append(scratch_pages[0, unheld].long() * hkv + h)
+    for blocks in (blocks_k, blocks_v):
+        blocks[torch.cat(unread)] = float("nan")
     k_pool, v_pool = (torch.randn(pool_slots, hkv, head_dim, generator=gen) for _ in range(2))
     lens = [3, 70, 0]  # dense windows, one longer than a block, one empty
     window = torch.randperm(pool_slots, generator=gen)[:sum(lens)].int()
     indptr = torch.tensor([0] + lens).cumsum(0).int()
-    rows = torch.tensor([2, 0, 3], dtype=torch.int32)
-    args = [t.to(DEVICE) for t in (q, out_k, out_v, outliers, scratch_k, scratch_v, rows, ent.int(),
+    args = [t.to(DEVICE) for t in (q, blocks_k, blocks_v, outliers, scratch_pages, rows, ent.int(),
                                    k_pool, v_pool, indptr, window)] + [head_dim ** -0.5]
     lse_got, lse_want = (torch.full((batch, hkv * group), float("nan"), device=DEVICE) for _ in range(2))
     torch.testing.assert_close(sparse_decode_attention(*args, lse=lse_got),
@@ -167,11 +211,12 @@ def test_sparse_attention_of_nothing_is_zero_with_minus_infinite_lse():
     attends nothing) must merge as nothing: output 0, log-sum-exp -inf, never NaN."""
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 32, generator=gen)
-    blocks = torch.randn(3, 8, 32, generator=gen)
-    scratch = torch.full((2, 2, 4, 8, 32), float("nan"))  # never written
+    blocks = torch.randn(6, 8, 32, generator=gen)
+    blocks[4:] = float("nan")  # page 2: the rows' scratch, never written
+    scratch_pages = torch.full((2, 4), 2, dtype=torch.int32)
     pool = torch.randn(10, 2, 32, generator=gen)
     none = torch.full((2, 2, 4), -1, dtype=torch.int32)
-    args = [t.to(DEVICE) for t in (q, blocks, blocks, none[:, :, :2], scratch, scratch, torch.tensor([0, 1]).int(),
+    args = [t.to(DEVICE) for t in (q, blocks, blocks, none[:, :, :2], scratch_pages, torch.tensor([0, 1]).int(),
                                    none, pool, pool, torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))]
     for fn in (sparse_decode_attention, sparse_decode_attention_reference):
         lse = torch.zeros(2, 4, device=DEVICE)

@@ -95,6 +95,29 @@ def test_demotion_works_a_few_layers_per_step_while_requests_decode(tiny_tier, m
     assert any(layer == 1 for layer, _ in seen)  # one layer done, one to go: it took several steps
 
 
+def test_a_request_waiting_for_a_demotion_gets_it_in_one_step(tiny_tier, monkeypatch):
+    """A demotion that a waiting request needs (it cannot start until the job frees pages) does all
+    its layers in the step it starts, though a request decodes: the waiting one's first token
+    waits on it, a decode step only a little."""
+    monkeypatch.setattr(demotion, "TOKEN_LAYERS_PER_STEP", 1)  # one layer a step, unless urgent
+    tiny_tier.flush_cache()
+    sched = tiny_tier.scheduler
+    for i in range(3):  # the three documents the pool holds dense
+        tiny_tier.generate(input_ids=document(i) + question(i), sampling_params=GREEDY)
+    demoter = sched.cache.compressed.demoter
+    before = demoter.counters.demotions
+    busy = sched.add_request("busy", question(1), SamplingParams(max_new_tokens=60, ignore_eos=True))
+    sched.step()
+    new = sched.add_request("new", document(3) + question(3), SamplingParams(**GREEDY))
+    layers = []  # the running job's next layer after each step
+    while not new.prompt_done:
+        sched.step()
+        if demoter.job is not None:
+            layers.append(demoter.job.layer)
+    assert demoter.counters.demotions > before and not busy.finished
+    assert 1 not in layers  # never half done: both layers went in one step
+
+
 def test_long_documents_asked_at_once_beyond_the_pool_are_compressed_at_prefill(tiny_tier):
     tiny_tier.flush_cache()
     before = tier_counters(tiny_tier)
@@ -171,7 +194,9 @@ def test_demotion_waits_for_readers_and_survives_aborts_flushes_and_evictions(ti
         engine.generate(input_ids=document(i) + question(i), sampling_params=GREEDY)
     add("busy", question(1), 200)  # something decodes all along: demotion goes a layer a step
     sched.step()
-    sched.cache.maintain(sched.pool.capacity, idle=False)  # as if a large request waited: a job starts
+    monkeypatch.setattr(demotion, "HEADROOM_SHARE", 1.0)
+    sched.cache.maintain(idle=False)  # under the watermark: a job starts, a layer a step
+    monkeypatch.setattr(demotion, "HEADROOM_SHARE", 0.1)
     assert demoter.job is not None and demoter.job.layer == 1 and demoter.job.start == 0
     span = demoter.job.num_tokens
     reader = add("reader", document(0) + question(5))  # the least recently used: the span being demoted
@@ -202,6 +227,35 @@ def test_demotion_waits_for_readers_and_survives_aborts_flushes_and_evictions(ti
     sched.cache.check_integrity([])
     assert sched.cache.tree.total_pages == sched.cache.tree.total_chunks == 0
     assert sched.pool.num_free == sched.pool.capacity - 1  # all but the compressed pool's null page
+
+
+def test_a_request_short_only_of_its_compressed_extras_starts_the_demotion_it_waits_for(tiny_tight):
+    """Long documents asked at once are compressed at their prefill, so the first needs its
+    segment's and scratch row's pages besides its own: when only those are short, admission waits
+    for a demotion, and the demotion must start for that whole need (its tokens alone fit)."""
+    engine, sched = tiny_tight, tiny_tight.scheduler
+    cache, tier = sched.cache, sched.cache.compressed
+    engine.flush_cache()
+    engine.generate(input_ids=document(0) + question(0), sampling_params=GREEDY)  # dense, cached: to demote
+    prompts = [document(2 + i) + question(i) for i in range(3)]  # more than the pool holds dense
+    need = cache.pages_for(len(prompts[0]) + GREEDY["max_new_tokens"])
+    chunks = tier.cfg.compressed_len(len(prompts[0]), sched.page_size) // tier.cfg.chunk_size
+    extra = tier.store.pages_for(chunks, tier.cfg.num_outliers(chunks)) + tier.decoder.row_pages
+    filler = 0
+    while sched.pool.num_free >= need + extra:  # short dense prompts, cached, until only the extras are short
+        tokens = min(200, (sched.pool.num_free - need - extra // 2) * sched.page_size)
+        engine.generate(input_ids=[3 + (filler * 13 + j) % 400 for j in range(tokens)], sampling_params=GREEDY)
+        filler += 1
+    assert need <= sched.pool.num_free < need + extra
+    demotions = cache.demoter.counters.demotions
+    reqs = [sched.add_request(f"d{i}", ids, SamplingParams(max_new_tokens=GREEDY["max_new_tokens"], temperature=0))
+            for i, ids in enumerate(prompts)]
+    for _ in range(300):
+        if not sched.has_work:
+            break
+        sched.step()
+        sched.cache.check_integrity(sched.running)
+    assert all(r.finished for r in reqs) and cache.demoter.counters.demotions > demotions
 
 
 def test_warmup_compresses_whatever_the_policy(tiny_tier, monkeypatch):
@@ -236,4 +290,88 @@ def test_the_integrity_check_catches_a_leaked_page_and_a_segment_page_freed_twic
     with pytest.raises(RuntimeError, match="page"):
         sched.run_when_idle()
     assert sched.pool.alloc(1) == [store.null_page]  # taken back (a LIFO free list): whole again
+    sched.run_when_idle()
+
+
+def compressed_document(engine, monkeypatch, i: int) -> list[int]:
+    """Document i, compressed at its prefill and cached (the eager policy for this test)."""
+    monkeypatch.setattr(engine.scheduler.cache.compressed, "policy", "eager")
+    engine.flush_cache()
+    engine.generate(input_ids=document(i) + question(0), sampling_params=GREEDY)
+    assert engine.scheduler.cache.tree.total_chunks > 0
+    return document(i)
+
+
+def test_a_compressed_request_takes_its_scratch_pages_from_the_pool_while_it_runs(tiny_tier, monkeypatch):
+    """The chunk-cache scratch is row_pages pages of the dense pool, held by the request's row from
+    admission to its end (counted by the integrity check: one of them also on the free list is an
+    error), then free again."""
+    sched = tiny_tier.scheduler
+    decoder = sched.cache.compressed.decoder
+    doc = compressed_document(tiny_tier, monkeypatch, 20)
+    req = sched.add_request("q", doc + question(1), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    sched.step()
+    pages = decoder.pages_of_row(req.shadowkv.scratch_row)
+    assert len(set(pages)) == decoder.row_pages == tiny_tier.get_server_info()["memory"]["scratch_pages"]
+    assert not set(pages) & set(sched.pool.free_ids())
+    assert decoder.scratch_pages[req.shadowkv.scratch_row].tolist() == pages  # the kernels' page table
+    sched.cache.check_integrity(sched.running)
+    sched.pool.free(pages[:1])  # a row's page also on the free list
+    with pytest.raises(RuntimeError, match="page"):
+        sched.cache.check_integrity(sched.running)
+    assert sched.pool.alloc(1) == pages[:1]  # taken back (a LIFO free list): whole again
+    while sched.has_work:
+        sched.step()
+        sched.cache.check_integrity(sched.running)
+    assert req.finished and len(req.output_ids) == 8 and decoder.pages_of_row(req.shadowkv.scratch_row) == []
+    assert set(pages) <= set(sched.pool.free_ids()) and decoder.free_rows == decoder.max_rows
+    assert tiny_tier.get_server_info()["memory"]["scratch_pages"] == 0
+    assert tiny_tier.flush_cache() and sched.pool.num_free == sched.pool.capacity - 1  # all but the null page
+
+
+def test_every_running_request_may_decode_compressed_by_default(tiny_model_path, monkeypatch):
+    """Rows cost no memory until taken, so shadowkv_max_requests defaults to --max-running-requests:
+    six questions on a compressed document decode together; an explicit limit of two still holds
+    (the others wait for a row)."""
+    peaks = {}
+    for limit in (None, 2):
+        with Engine(model_path=tiny_model_path, max_total_tokens=4000, max_running_requests=6,
+                    shadowkv_max_requests=limit, **TIER) as engine:
+            sched = engine.scheduler
+            assert sched.cache.compressed.decoder.max_rows == (limit or 6)
+            doc = compressed_document(engine, monkeypatch, 21)
+            reqs = [sched.add_request(f"q{i}", doc + question(i + 1), SamplingParams(max_new_tokens=6, ignore_eos=True))
+                    for i in range(6)]
+            peaks[limit] = 0
+            while sched.has_work:
+                sched.step()
+                peaks[limit] = max(peaks[limit], sum(r.shadowkv is not None for r in sched.running))
+                sched.cache.check_integrity(sched.running)
+            assert all(r.finished and r.shadowkv.layout is not None for r in reqs)
+    assert peaks == {None: 6, 2: 2}
+
+
+def test_admission_waits_while_the_pool_cannot_hold_a_scratch_row(tiny_tier, monkeypatch):
+    """A question on a compressed document needs a scratch row's pages besides its own: while a
+    running request has reserved all but a few of the pool's pages it waits (nothing taken), and
+    it runs once they are back."""
+    sched = tiny_tier.scheduler
+    decoder = sched.cache.compressed.decoder
+    doc = compressed_document(tiny_tier, monkeypatch, 22)
+    spare = decoder.row_pages // 2  # pages left to the question: enough for its own, not for a row
+    hog_tokens = (sched.pool.num_free - spare) * sched.page_size  # reserved, never evicting the document
+    hog = sched.add_request("hog", question(9), SamplingParams(max_new_tokens=hog_tokens - 12, ignore_eos=True))
+    sched.step()
+    req = sched.add_request("q", doc + question(1), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    for _ in range(4):
+        sched.step()
+        sched.cache.check_integrity(sched.running)
+        assert list(sched.prefill.waiting) == [req] and req.shadowkv is None and req.pool_row is None
+        assert decoder.free_rows == decoder.max_rows
+    assert sched.abort("hog") and hog.finish_reason["type"] == "abort"
+    while sched.has_work:
+        sched.step()
+        sched.cache.check_integrity(sched.running)
+    assert req.finished and len(req.output_ids) == 4 and req.shadowkv.layout is not None
+    assert req.cached_tokens >= DOC_TOKENS - 8  # it waited for the compressed document, not around it
     sched.run_when_idle()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from sglang_shadowkv.kernels.ragged_paged_attention import ragged_paged_attention_reference
+from sglang_shadowkv.kernels.scratch_blocks import scratch_blocks
 from sglang_shadowkv.mem_cache.compressed_layout import segment_pages, slot_layout
 from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
@@ -104,12 +105,15 @@ def _one_config(runner: ModelRunner, row: int, slots: torch.Tensor, queries: dic
 
 
 def private_store(runner: ModelRunner, cfg: ShadowKVConfig, num_chunks: int) -> ShadowKVPool:
-    """A compressed pool of its own (in a page pool of its own) for one segment of num_chunks."""
+    """A compressed pool of its own (in a page pool of its own) for one segment of num_chunks and
+    one chunk-cache scratch row."""
     mc, max_rank = runner.config, cfg.max_rank(runner.config.kv_dim)
     layout = slot_layout(cfg.chunk_size, mc.num_kv_heads, mc.head_dim, max_rank, runner.dtype,
                          cfg.landmark_torch_dtype or runner.dtype, cfg.host_value_torch_dtype or runner.dtype)
     pages = segment_pages(layout, num_chunks, cfg.num_outliers(num_chunks), max_rank, cfg.chunk_size)
-    kv = PagedKVPool(pages + 2, cfg.chunk_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, runner.dtype, runner.device)
+    scratch = cfg.budget_chunks(num_chunks)  # SparseDecoder.row_pages of a decoder for num_chunks
+    kv = PagedKVPool(pages + scratch + 2, cfg.chunk_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, runner.dtype,
+                     runner.device)
     return ShadowKVPool(kv, max_rank, num_chunks, 1, cfg.host_value_torch_dtype, cfg.landmark_torch_dtype)
 
 
@@ -119,16 +123,17 @@ def held_kv(decoder: SparseDecoder, seg, layer: int, rows: torch.Tensor, k: torc
     values gathered through the decoder's own chunk-cache fetch (a scratch-full at a time), outlier
     chunks [Hkv, o] exact (k, v: the exact keys and values of the span)."""
     n, c, (h, d) = seg.num_chunks, decoder.pool.chunk_size, k.shape[1:]
-    size, row = decoder.max_entries, int(rows[0])
+    size = decoder.max_entries
     k_held, v_held = k.clone().view(n, c, h, d), v.clone().view(n, c, h, d)
     heads = torch.arange(h, device=k.device)[:, None]
     for a in range(0, n, size):
         piece = seg.chunk_slots[a:a + size].long()
         m = piece.numel()
         selected = torch.nn.functional.pad(piece.expand(h, m), (0, size - m), value=-1)[None]
-        entries = decoder.fetch_selected(layer, rows, selected)[0, :, :m]  # [Hkv, m]
-        for held, scratch in ((k_held, decoder.scratch_k), (v_held, decoder.scratch_v)):
-            held[a:a + m] = scratch[layer][row][heads, entries].permute(1, 2, 0, 3).to(held.dtype)
+        entries = decoder.fetch_selected(layer, rows, selected)[:, :, :m]  # [1, Hkv, m]
+        blocks = scratch_blocks(decoder.scratch_pages, rows, entries)[0]
+        for held, memory in ((k_held, decoder.pool.blocks_k), (v_held, decoder.pool.blocks_v)):
+            held[a:a + m] = memory[layer][blocks].permute(1, 2, 0, 3).to(held.dtype)
     for held, exact in ((k_held, k), (v_held, v)):  # outlier chunks stay exact on the GPU
         exact = exact.view(n, c, h, d)
         held[outliers.T.long(), :, heads.T] = exact[outliers.T.long(), :, heads.T]

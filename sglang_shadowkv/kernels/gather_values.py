@@ -2,10 +2,12 @@
 
 The host pool is [host slots, Hkv, c, D], so one chunk of one KV head is one contiguous read of
 c·D elements; chunk slot s's values are at host slot host_slot[s] (the GPU state of a chunk lives
-in the dense pool's pages, its values in a host pool of its own). On the GPU the pool is pinned host memory that the kernel reads directly over PCIe
-(UVA zero-copy): no staging copy, no CPU work. Jobs are as in `rebuild_keys` (-1 = cache hit).
-An int8 host pool comes with a scale per chunk slot and KV head (on the GPU); the copy multiplies
-by it on the way into the scratch, so PCIe carries one byte per value.
+in the dense pool's pages, its values in a host pool of its own). On the GPU the pool is pinned
+host memory that the kernel reads directly over PCIe (UVA zero-copy): no staging copy, no CPU
+work. Jobs and where they land (blocks_v: the pool's V memory as [c, D] blocks, found through
+scratch_pages) are as in `rebuild_keys` (-1 = cache hit). An int8 host pool comes with a scale per
+chunk slot and KV head (on the GPU); the copy multiplies by it on the way into the scratch, so
+PCIe carries one byte per value.
 """
 
 from __future__ import annotations
@@ -14,25 +16,26 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_jobs
 
-def gather_values_reference(host_v, host_slot, jobs, scratch_v, scratch_rows, scale=None):
-    """Writes scratch_v[scratch_rows[b], h, e] = host_v[host_slot[jobs[b, h, e]], h] (times
-    scale[that chunk slot, h] when given) for every job >= 0."""
-    b_idx, h_idx, e_idx = (jobs >= 0).nonzero(as_tuple=True)
-    if b_idx.numel() == 0:
-        return scratch_v
-    slots = jobs[b_idx, h_idx, e_idx].long()
+
+def gather_values_reference(host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows, scale=None):
+    """Writes the scratch entry (b, h, e) in blocks_v = host_v[host_slot[jobs[b, h, e]], h] (times
+    scale[that chunk slot, h] when given) for every job >= 0; returns blocks_v."""
+    slots, h_idx, blocks = scratch_jobs(jobs, scratch_pages, scratch_rows)
+    if slots.numel() == 0:
+        return blocks_v
     host = host_slot[slots].long()
-    chunks = host_v[host.to(host_v.device), h_idx.to(host_v.device)].to(scratch_v.device)
+    chunks = host_v[host.to(host_v.device), h_idx.to(host_v.device)].to(blocks_v.device)
     if scale is not None:
         chunks = chunks.float() * scale[slots, h_idx][:, None, None]
-    scratch_v[scratch_rows[b_idx].long(), h_idx, e_idx] = chunks.to(scratch_v.dtype)
-    return scratch_v
+    blocks_v[blocks] = chunks.to(blocks_v.dtype)
+    return blocks_v
 
 
 @triton.jit
-def _gather_values_kernel(HOST, HOST_SLOT, JOBS, OUT, ROWS, SCALE, NUM_JOBS, stride_hs, stride_hh, stride_jb, stride_jh,
-                          stride_or, stride_oh, stride_oe, stride_ss,
+def _gather_values_kernel(HOST, HOST_SLOT, JOBS, OUT, SCRATCH_PAGES, ROWS, SCALE, NUM_JOBS, stride_hs, stride_hh,
+                          stride_jb, stride_jh, stride_ob, stride_sp, stride_ss,
                           HEADS: tl.constexpr, ENTRIES: tl.constexpr, NUMEL: tl.constexpr,
                           BLOCK: tl.constexpr, SCALED: tl.constexpr):
     """A persistent grid: each program walks jobs pid, pid + P, ... so the copy keeps enough reads
@@ -47,34 +50,37 @@ def _gather_values_kernel(HOST, HOST_SLOT, JOBS, OUT, ROWS, SCALE, NUM_JOBS, str
         if slot >= 0:
             src = HOST + tl.load(HOST_SLOT + slot).to(tl.int64) * stride_hs + h * stride_hh + offs
             row = tl.load(ROWS + b).to(tl.int64)
-            dst = OUT + row * stride_or + h * stride_oh + e * stride_oe + offs
+            dst = OUT + scratch_block(SCRATCH_PAGES, stride_sp, row, e, h, HEADS) * stride_ob + offs
             chunk = tl.load(src, mask=valid)
             if SCALED:
                 chunk = chunk.to(tl.float32) * tl.load(SCALE + slot.to(tl.int64) * stride_ss + h)
             tl.store(dst, chunk.to(OUT.dtype.element_ty), mask=valid)
 
 
-def gather_values(host_v, host_slot, jobs, scratch_v, scratch_rows, scale=None, programs: int | None = None):
+def gather_values(host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows, scale=None,
+                  programs: int | None = None):
     """Triton version of `gather_values_reference`; host_v may be pinned CPU memory (read via UVA).
 
     programs: size of the persistent grid (default: two per SM on a GPU).
     """
     b, hkv, e = jobs.shape
     if jobs.numel() == 0:
-        return scratch_v
+        return blocks_v
     numel = host_v.shape[2] * host_v.shape[3]
-    if host_v.stride(2) != host_v.shape[3] or host_v.stride(3) != 1 or scratch_v.stride(3) != scratch_v.shape[4]:
-        raise ValueError("host_v and scratch_v chunks must be contiguous [c, D] blocks")
-    if jobs.stride(2) != 1:
-        raise ValueError("jobs must be contiguous in its last dimension")
+    if host_v.stride(2) != host_v.shape[3] or host_v.stride(3) != 1 or blocks_v.stride(1) != blocks_v.shape[2] \
+            or blocks_v.stride(2) != 1:
+        raise ValueError("host_v and blocks_v chunks must be contiguous [c, D] blocks")
+    if jobs.stride(2) != 1 or scratch_pages.stride(1) != 1:
+        raise ValueError("jobs and scratch_pages must be contiguous in their last dimension")
     if programs is None:
         programs = 2 * torch.cuda.get_device_properties(jobs.device).multi_processor_count \
             if jobs.is_cuda else 4
     if scale is not None and scale.stride(1) != 1:
         raise ValueError("scale must be contiguous over KV heads")
     _gather_values_kernel[(min(programs, jobs.numel()),)](
-        host_v, host_slot, jobs, scratch_v, scratch_rows, jobs if scale is None else scale, jobs.numel(),  # (unread if unscaled)
+        host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows,
+        jobs if scale is None else scale, jobs.numel(),  # (SCALE unread if unscaled)
         host_v.stride(0), host_v.stride(1), jobs.stride(0), jobs.stride(1),
-        scratch_v.stride(0), scratch_v.stride(1), scratch_v.stride(2), 0 if scale is None else scale.stride(0),
+        blocks_v.stride(0), scratch_pages.stride(0), 0 if scale is None else scale.stride(0),
         HEADS=hkv, ENTRIES=e, NUMEL=numel, BLOCK=triton.next_power_of_2(numel), SCALED=scale is not None)
-    return scratch_v
+    return blocks_v

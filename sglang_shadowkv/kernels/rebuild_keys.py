@@ -9,9 +9,10 @@ k_pages[basis_pages[b, i]] and the next c in v_pages[basis_pages[b, i]] (k_pages
 pool's K and V memory as [pages, c, Hkv·D]). A segment's rank may be below R (the energy rule
 picks it per layer): with `basis_rank` [bases] only its first basis_rank[b] columns are read, so
 a rank-33 layer costs a third of a rank-96 one. Each job (b, h, e) names the chunk slot to write
-into scratch entry e of KV head h of scratch row scratch_rows[b]; -1 means the entry already
-holds what is needed (a chunk-cache hit). RoPE is the half-split convention (first half rotates
-with the second).
+into scratch entry e of KV head h of scratch row scratch_rows[b]: block
+scratch_pages[scratch_rows[b], e]·Hkv + h of blocks_k, the pool's K memory as [c, D] blocks
+(kernels/scratch_blocks.py); -1 means the entry already holds what is needed (a chunk-cache hit).
+RoPE is the half-split convention (first half rotates with the second).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from sglang_shadowkv.kernels.rotary import rotate_reference
+from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_jobs
 
 
 def basis_rows_reference(k_pages, v_pages, basis_pages, bases, rank):
@@ -30,13 +32,12 @@ def basis_rows_reference(k_pages, v_pages, basis_pages, bases, rank):
 
 
 def rebuild_keys_reference(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, chunk_pos, chunk_basis, jobs,
-                           scratch_k, scratch_rows, basis_rank=None):
-    """Writes scratch_k[scratch_rows[b], h, e] for every job >= 0; returns scratch_k."""
-    b_idx, h_idx, e_idx = (jobs >= 0).nonzero(as_tuple=True)
-    if b_idx.numel() == 0:
-        return scratch_k
-    c, d = scratch_k.shape[-2], scratch_k.shape[-1]
-    slots = jobs[b_idx, h_idx, e_idx].long()
+                           blocks_k, scratch_pages, scratch_rows, basis_rank=None):
+    """Writes the scratch entry (b, h, e) in blocks_k for every job >= 0; returns blocks_k."""
+    slots, h_idx, blocks = scratch_jobs(jobs, scratch_pages, scratch_rows)
+    if slots.numel() == 0:
+        return blocks_k
+    c, d = blocks_k.shape[-2], blocks_k.shape[-1]
     a = torch.cat([a_lo[slots], a_hi[slots]], 2).float()  # [J, c, R]
     bases, which = chunk_basis[slots].long().unique(return_inverse=True)
     basis = basis_rows_reference(k_pages, v_pages, basis_pages, bases, a.shape[2])  # [n, R, Hkv·D]
@@ -47,8 +48,8 @@ def rebuild_keys_reference(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, 
     k = torch.bmm(a, per_head[which, h_idx].float())  # [J, c, D] pre-RoPE
     pos = chunk_pos[slots].long()[:, None] + torch.arange(c, device=slots.device)
     k = rotate_reference(k.reshape(-1, 1, d), cos, sin, pos.flatten()).view_as(k)
-    scratch_k[scratch_rows[b_idx].long(), h_idx, e_idx] = k.to(scratch_k.dtype)
-    return scratch_k
+    blocks_k[blocks] = k.to(blocks_k.dtype)
+    return blocks_k
 
 
 @triton.jit
@@ -71,9 +72,9 @@ def _accumulate(acc1, acc2, a_ptr, kp, vp, offs_r, r_valid, t_valid, page_ids, c
 
 @triton.jit
 def _rebuild_keys_kernel(A_LO, A_HI, KP, VP, BASIS_PAGES, COS, SIN, CHUNK_POS, CHUNK_BASIS, BASIS_RANK, JOBS,
-                         OUT, ROWS, RANK, LO,
+                         OUT, SCRATCH_PAGES, ROWS, RANK, LO,
                          stride_lo_s, stride_lo_t, stride_hi_s, stride_hi_t, stride_pp, stride_pt, stride_bp,
-                         stride_cos, stride_jb, stride_jh, stride_or, stride_oh, stride_oe, stride_ot,
+                         stride_cos, stride_jb, stride_jh, stride_ob, stride_ot, stride_sp,
                          CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_R: tl.constexpr, RANKED: tl.constexpr):
     b = tl.program_id(0)
@@ -111,31 +112,33 @@ def _rebuild_keys_kernel(A_LO, A_HI, KP, VP, BASIS_PAGES, COS, SIN, CHUNK_POS, C
         c = tl.load(COS + pos[:, None] * stride_cos + offs_h[None, :], mask=t_valid[:, None], other=1.0)
         s = tl.load(SIN + pos[:, None] * stride_cos + offs_h[None, :], mask=t_valid[:, None], other=0.0)
         row = tl.load(ROWS + b).to(tl.int64)
-        out = OUT + row * stride_or + h * stride_oh + e * stride_oe + offs_t[:, None] * stride_ot
+        block = scratch_block(SCRATCH_PAGES, stride_sp, row, e, h, tl.num_programs(1))
+        out = OUT + block * stride_ob + offs_t[:, None] * stride_ot
         ty = OUT.dtype.element_ty
         tl.store(out + offs_h[None, :], (acc1 * c - acc2 * s).to(ty), mask=t_valid[:, None])
         tl.store(out + (offs_h + HALF)[None, :], (acc2 * c + acc1 * s).to(ty), mask=t_valid[:, None])
 
 
-def rebuild_keys(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, chunk_pos, chunk_basis, jobs, scratch_k,
-                 scratch_rows, basis_rank=None):
+def rebuild_keys(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, chunk_pos, chunk_basis, jobs, blocks_k,
+                 scratch_pages, scratch_rows, basis_rank=None):
     """Triton version of `rebuild_keys_reference` (same arguments)."""
     b, hkv, e = jobs.shape
-    c, d = scratch_k.shape[-2], scratch_k.shape[-1]
+    c, d = blocks_k.shape[-2], blocks_k.shape[-1]
     if jobs.numel() == 0:
-        return scratch_k
+        return blocks_k
     if a_lo.stride(2) != 1 or (a_hi.shape[2] and a_hi.stride(2) != 1) or k_pages.stride(2) != 1 \
-            or k_pages.stride() != v_pages.stride() or cos.stride(1) != 1:
-        raise ValueError("a_lo, a_hi, the pages and cos/sin must be contiguous in their last dimension, "
-                         "k_pages and v_pages laid out alike")
+            or k_pages.stride() != v_pages.stride() or cos.stride(1) != 1 or blocks_k.stride(2) != 1 \
+            or scratch_pages.stride(1) != 1:
+        raise ValueError("a_lo, a_hi, the pages, cos/sin, blocks_k and scratch_pages must be contiguous in their "
+                         "last dimension, k_pages and v_pages laid out alike")
     lo = a_lo.shape[2]
     _rebuild_keys_kernel[(b, hkv, e)](
         a_lo, a_hi if a_hi.numel() else a_lo, k_pages, v_pages, basis_pages, cos, sin, chunk_pos, chunk_basis,
         chunk_basis if basis_rank is None else basis_rank,  # (BASIS_RANK unread without ranks)
-        jobs, scratch_k, scratch_rows, lo + a_hi.shape[2], lo,
+        jobs, blocks_k, scratch_pages, scratch_rows, lo + a_hi.shape[2], lo,
         a_lo.stride(0), a_lo.stride(1), a_hi.stride(0), a_hi.stride(1), k_pages.stride(0), k_pages.stride(1),
         basis_pages.stride(0), cos.stride(0), jobs.stride(0), jobs.stride(1),
-        scratch_k.stride(0), scratch_k.stride(1), scratch_k.stride(2), scratch_k.stride(3),
+        blocks_k.stride(0), blocks_k.stride(1), scratch_pages.stride(0),
         CHUNK=c, CHUNK_PAD=max(16, triton.next_power_of_2(c)), HALF=d // 2, BLOCK_R=16,
         RANKED=basis_rank is not None)
-    return scratch_k
+    return blocks_k

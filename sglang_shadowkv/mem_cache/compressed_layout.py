@@ -1,7 +1,7 @@
 """Where compressed state sits inside the dense pool's pages, and its sizes.
 
 A page of the dense pool (page_size tokens of K and V, in every layer) is either dense KV or, once
-this store takes it from the page allocator, compressed state of one of three kinds:
+taken from the page allocator, compressed state of one of three kinds, or chunk-cache scratch:
 - slot page: m chunk slots (slot s = page·m + j). Per layer a slot holds the low-rank rows of its
   c tokens (their first kv_dim/m columns in the page's K memory, the rest in its V memory), its
   landmark (the chunk's mean key, int8 with a scale or the model dtype), the scale of its host
@@ -9,6 +9,10 @@ this store takes it from the page allocator, compressed state of one of three ki
 - outlier page: per layer its K and V memory are Hkv blocks of [c, D] (block page·Hkv + h): the
   exact keys and values of one outlier chunk of each KV head.
 - basis page: 2c rows of a segment's basis per layer (c in the K memory, c in the V memory).
+- scratch page: one entry of a running request's chunk-cache scratch (shadowkv/decode.py takes a
+  row of them per request while it runs), laid out as an outlier page: per layer the rebuilt keys
+  and fetched values of one selected chunk of each KV head. Outlier and scratch pages are both
+  read as the blocks ShadowKVPool.blocks_k / blocks_v.
 So a document moves between its dense and compressed forms inside one pool, and the split between
 the two follows what is cached (DESIGN.md §3). Outside the pages: per-slot metadata (its first
 token's position, its segment, its host slot), each outlier block's position per layer, and the

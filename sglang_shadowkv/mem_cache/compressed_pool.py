@@ -1,7 +1,8 @@
 """The compressed-segment store, inside the dense KV pool's pages: one GPU budget for both forms.
 
 A page of the dense pool holds dense KV or, once this store takes it from the page allocator,
-compressed state: slot pages, outlier pages and basis pages (compressed_layout.py says how).
+compressed state: slot pages, outlier pages and basis pages (compressed_layout.py says how); the
+sparse decoder takes scratch pages from the same allocator while compressed requests run.
 A segment is a chunk-aligned span of one prompt compressed with one basis per layer; its state
 is addressed by chunk slot, so kernels serve a whole batch with one launch. One slot page is kept
 zero and never handed out: `null_slot`, the padding target of chunk tables (never selectable).
@@ -90,8 +91,10 @@ class ShadowKVPool:
         self.value_scale = None if lay.value_scale_at is None else [
             record_field(i, lay.value_scale_at, h, torch.float32) for i in range(self.num_layers)]
         self.selectable = [record_field(i, lay.selectable_at, h, torch.int8) for i in range(self.num_layers)]
-        self.outlier_k = [buf.view(pages * h, c, d) for buf in kv.k_buffers]
-        self.outlier_v = [buf.view(pages * h, c, d) for buf in kv.v_buffers]
+        # every page's K and V memory as Hkv [c, D] blocks (block page·Hkv + h): outlier chunks and
+        # the sparse decoder's chunk-cache scratch
+        self.blocks_k = [buf.view(pages * h, c, d) for buf in kv.k_buffers]
+        self.blocks_v = [buf.view(pages * h, c, d) for buf in kv.v_buffers]
         ints = dict(dtype=torch.int32, device=self.device)
         self.outlier_pos = [torch.zeros(pages * h, **ints) for _ in range(self.num_layers)]
         self.basis_pages = torch.zeros(max_segments, self.basis_pages_per_segment, **ints)

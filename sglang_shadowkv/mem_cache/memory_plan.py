@@ -2,10 +2,10 @@
 
 Both attention modes give the dense page pool `mem_fraction_static` of the free GPU memory. With
 ShadowKV that one pool holds both forms of a document (dense pages, or compressed state in pages:
-mem_cache/compressed_pool.py), so the split between them follows what is cached; only the
-decoder's chunk-cache scratch and the small per-page metadata of compressed state are set aside
-first. Compressed values live in page-locked host memory, `shadowkv_host_mem_fraction` of what the
-machine has available.
+mem_cache/compressed_pool.py), so the split between them follows what is cached, and the sparse
+decoder's chunk-cache scratch takes its pages while compressed requests run; only the small
+per-page metadata of compressed state is set aside beside the pool. Compressed values live in
+page-locked host memory, `shadowkv_host_mem_fraction` of what the machine has available.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class MemoryPlan:
     host_chunks: int  # compressed chunks whose values the host pool holds (0: full attention)
     gpu_budget_bytes: int = 0
     host_budget_bytes: int = 0
-    set_aside_bytes: int = 0  # ShadowKV's scratch and metadata, before the pool
+    set_aside_bytes: int = 0  # ShadowKV's per-page metadata, beside the pool
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -52,17 +52,15 @@ def free_gpu_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def plan_gpu_memory(gpu_budget: int, bytes_per_token: int, set_aside: int, metadata_per_token: int,
+def plan_gpu_memory(gpu_budget: int, bytes_per_token: int, metadata_per_token: int,
                     host_budget: int = 0, host_bytes_per_chunk: int = 0) -> MemoryPlan:
-    """The pool's tokens from the GPU budget (bytes) after `set_aside` bytes, each token costing its
-    dense bytes plus `metadata_per_token`; the host pool's chunks from the host budget."""
-    left = gpu_budget - set_aside
-    if left <= 0:
-        raise MemoryError(f"the GPU has no room for a KV pool after {set_aside / 2**30:.1f} GiB of ShadowKV "
-                          "chunk-cache scratch; lower shadowkv_max_requests or shadowkv_max_budget")
+    """The pool's tokens from the GPU budget (bytes), each token costing its dense bytes plus
+    `metadata_per_token`; the host pool's chunks from the host budget."""
+    tokens = gpu_budget // (bytes_per_token + metadata_per_token)
+    if tokens <= 0:
+        raise MemoryError("the GPU has no room for a KV pool; raise mem_fraction_static or free GPU memory")
     host_chunks = host_budget // host_bytes_per_chunk if host_bytes_per_chunk else 0
-    return MemoryPlan(left // (bytes_per_token + metadata_per_token), host_chunks, gpu_budget, host_budget,
-                      set_aside)
+    return MemoryPlan(tokens, host_chunks, gpu_budget, host_budget, tokens * metadata_per_token)
 
 
 def documents_that_fit(pool_tokens: int, compressed_pages_for: Callable[[int], int] | None = None,

@@ -98,6 +98,21 @@ class RadixCache:
                 break
         return PrefixMatch(pages, node)
 
+    def cached_len(self, tokens: list[int]) -> int:
+        """Tokens of the longest cached whole-page prefix, without touching the tree: no split, no
+        recency update (a scheduler's estimate of a waiting request's work)."""
+        ps, node, pos = self.page_size, self.root, 0
+        while pos + ps <= len(tokens):
+            child = node.children.get(tuple(tokens[pos:pos + ps]))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, pos) * ps
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
     def _common_pages(self, key: tuple[int, ...], tokens: list[int], pos: int) -> int:
         """Whole pages that key and tokens[pos:] share. Slices are compared whole (C speed) and a
         mismatch is found by bisection: a 32K-token document's match costs a few comparisons, not

@@ -49,6 +49,15 @@ def default_backend(device: torch.device) -> str:
         return "triton"
 
 
+def default_chunked_prefill_size(device: torch.device) -> int:
+    """SGLang's default for the device: larger chunks on larger GPUs (fewer steps per long prompt,
+    each one's fixed cost spread over more tokens); 2048 on a CPU."""
+    if device.type != "cuda":
+        return 2048
+    gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return 2048 if gib < 20 else 4096 if gib < 60 else 8192
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, loaded: LoadedModel | None = None):
         """loaded: a model already in memory (benchmarks build several runners over one model)."""
@@ -70,7 +79,7 @@ class ModelRunner:
                                 cfg.head_dim, self.dtype, self.device)
         self.compressed_pool = self.decoder = None
         if self.shadowkv_config is not None:
-            self._build_shadowkv()
+            self._build_shadowkv(args.max_running_requests)
         self.req_to_token = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
         # each request's last sampled token (by request-to-token row): its next decode step's input
         self.next_input = torch.zeros(args.max_running_requests + 1, dtype=torch.long, device=self.device)
@@ -93,7 +102,8 @@ class ModelRunner:
 
     def _plan_memory(self, args: ServerArgs) -> MemoryPlan:
         """The pool's size: on a GPU from the free memory (mem_cache/memory_plan.py), on a CPU a few
-        context windows. With ShadowKV the chunk-cache scratch and per-page metadata come first."""
+        context windows. With ShadowKV each page also pays for its small metadata; the chunk-cache
+        scratch takes pool pages while requests run (shadowkv/decode.py)."""
         cfg, skv = self.config, self.shadowkv_config
         bytes_per_token = 2 * cfg.num_layers * cfg.kv_dim * _size(self.dtype)
         host_per_chunk = 0 if skv is None else host_bytes_per_chunk(
@@ -104,28 +114,29 @@ class ModelRunner:
             return MemoryPlan(tokens, host_chunks)
         gpu_budget = int(free_gpu_bytes(self.device) * args.mem_fraction_static)
         if skv is None:
-            return plan_gpu_memory(gpu_budget, bytes_per_token, 0, 0)
+            return plan_gpu_memory(gpu_budget, bytes_per_token, 0)
         host_budget = (skv.host_tokens // skv.chunk_size * host_per_chunk if skv.host_tokens
                        else int(available_host_bytes() * skv.host_mem_fraction))
-        entries = skv.budget_chunks(self.context_length // skv.chunk_size)
-        scratch = 2 * cfg.num_layers * (skv.max_requests + 1) * entries * skv.chunk_size * cfg.kv_dim * _size(self.dtype)
         # per page: each layer's outlier-block positions; per chunk slot (at most 64 a page) three int32s
         metadata = (4 * cfg.num_kv_heads * cfg.num_layers + 12 * 64) // skv.chunk_size + 1
-        plan = plan_gpu_memory(gpu_budget, bytes_per_token, scratch, metadata, host_budget, host_per_chunk)
-        logger.info("memory: %d pool tokens (dense or compressed, %.1f GiB), %.1f GiB chunk-cache scratch, "
+        plan = plan_gpu_memory(gpu_budget, bytes_per_token, metadata, host_budget, host_per_chunk)
+        logger.info("memory: %d pool tokens (dense, compressed or chunk-cache scratch, %.1f GiB), "
                     "%.1f GiB page-locked host for %d compressed chunks", plan.pool_tokens,
-                    plan.pool_tokens * bytes_per_token / 2**30, scratch / 2**30,
-                    plan.host_chunks * host_per_chunk / 2**30, plan.host_chunks)
+                    plan.pool_tokens * bytes_per_token / 2**30, plan.host_chunks * host_per_chunk / 2**30,
+                    plan.host_chunks)
         return plan
 
-    def _build_shadowkv(self) -> None:
+    def _build_shadowkv(self, max_running_requests: int) -> None:
         cfg, skv = self.config, self.shadowkv_config
         self.compressed_pool = ShadowKVPool(self.pool, skv.max_rank(cfg.kv_dim), self.memory_plan.host_chunks,
                                             MAX_SEGMENTS, skv.host_value_torch_dtype, skv.landmark_torch_dtype)
-        self.decoder = SparseDecoder(self.compressed_pool, skv, self.model.rotary, skv.max_requests,
+        self.decoder = SparseDecoder(self.compressed_pool, skv, self.model.rotary,
+                                     skv.max_requests or max_running_requests,
                                      self.context_length // skv.chunk_size, self.device.type == "cuda")
-        logger.info("ShadowKV: %s; %s; %d chunk slots per page", skv.describe_rank(cfg.kv_dim), skv.describe_budget(),
-                    self.compressed_pool.layout.slots_per_page)
+        logger.info("ShadowKV: %s; %s; %d chunk slots per page; up to %d requests decode compressed, each "
+                    "taking %d pages of chunk-cache scratch while it runs", skv.describe_rank(cfg.kv_dim),
+                    skv.describe_budget(), self.compressed_pool.layout.slots_per_page, self.decoder.max_rows,
+                    self.decoder.row_pages)
 
     def init_graphs(self, max_bs: int, capture: bool, only_for: list[StepItem] | None = None) -> None:
         """Decode steps of up to max_bs requests from fixed buffers: captured as CUDA graphs
@@ -146,7 +157,8 @@ class ModelRunner:
     def forward(self, items: list[StepItem], logit_rows: list[int] | None = None) -> torch.Tensor:
         """Run one step; logits [len(items), vocab] of each item's last token, or of the given
         rows of the flattened step (prompt logprobs). A decode batch, or a step of short suffixes
-        over compressed prefixes only, that a captured graph holds replays it; anything else runs eagerly."""
+        over compressed prefixes only, that a captured graph holds replays it; a step mixing prompt
+        chunks with those (ShadowKV) runs in parts (`_forward_parts`); anything else runs eagerly."""
         if self.graphs is not None and logit_rows is None:
             if all(it.is_decode for it in items):
                 logits = self.graphs.run(items)
@@ -154,8 +166,36 @@ class ModelRunner:
                 logits = self.graphs.run_suffixes(items)
             else:
                 logits = None
+            if logits is None and self.backend.graph_parts(items):
+                logits = self._forward_parts(items)
             if logits is not None:
                 return logits
+        return self._forward_eager(items, logit_rows)
+
+    def _forward_parts(self, items: list[StepItem]) -> torch.Tensor | None:
+        """A mixed step as up to three launches on one stream: its decodes from a decode graph, its
+        prompt chunks over compressed prefixes from a suffix graph, the rest eagerly (what a graph
+        cannot hold joins the eager part). None when no part can replay a graph."""
+        decodes = [i for i, it in enumerate(items) if it.is_decode]
+        suffixes = [i for i, it in enumerate(items) if not it.is_decode and it.shadowkv is not None
+                    and it.shadowkv.layout is not None]
+        parts = []
+        for rows, run in ((decodes, self.graphs.run), (suffixes, self.graphs.run_suffixes)):
+            logits = run([items[i] for i in rows]) if rows else None
+            if logits is not None:  # the graphs share one logits buffer: keep this part's before the next replay
+                parts.append((rows, logits.clone()))
+        if not parts:
+            return None
+        taken = {i for rows, _ in parts for i in rows}
+        eager = [i for i in range(len(items)) if i not in taken]
+        if eager:
+            parts.append((eager, self._forward_eager([items[i] for i in eager], None)))
+        out = torch.empty(len(items), parts[0][1].shape[1], dtype=parts[0][1].dtype, device=self.device)
+        for rows, logits in parts:
+            out[torch.tensor(rows, device=self.device)] = logits
+        return out
+
+    def _forward_eager(self, items: list[StepItem], logit_rows: list[int] | None) -> torch.Tensor:
         batch = self.build_batch(items)
         self.backend.begin_step(batch)
         self.eager_steps += 1

@@ -39,6 +39,9 @@ class CacheManager:
                                on_evictable=(lambda entries, sign: self.compressed.on_evictable(entries, sign))
                                if shadowkv else None)
         self.reserved_pages = 0
+        # pages the request admission last turned away needs, ShadowKV's segment and scratch row
+        # included (the scheduler's waiting need counts only its tokens): what a demotion must free
+        self.turned_away_need = 0
         self.counters = CacheCounters()
         self.compressed = CompressedTier(runner, self.tree, page_size) if shadowkv else None
 
@@ -77,6 +80,7 @@ class CacheManager:
         extra = 0 if plan is None else plan.extra_pages
         if need + extra > self.available_pages() or self.table.num_free == 0 or self._wait_for_demotion(need + extra):
             self.tree.unlock(match.node)
+            self.turned_away_need = need + extra
             return False
         if plan is not None:
             self.make_room(extra)
@@ -117,10 +121,14 @@ class CacheManager:
         self.counters.dense_prefix_hits += any(isinstance(e, int) for e in matched)
         self.counters.reprefilled_tokens += self.tree.dropped_tokens_at(req.input_ids, req.cached_tokens)
 
-    def maintain(self, waiting_need: int, idle: bool) -> None:
-        """Between steps: the demotion's share of work (all of it when nothing decodes)."""
+    def maintain(self, idle: bool, waiting_need: int = 0) -> None:
+        """Between steps: the demotion's share of work (all of it when nothing decodes, or when a
+        waiting request needs its pages). The request admission turned away this step counts with
+        its full need (its ShadowKV segment and scratch row included): a wait for a demotion that
+        a smaller need would not start never ends."""
+        need, self.turned_away_need = max(waiting_need, self.turned_away_need), 0
         if self.demoter is not None:
-            self.demoter.step(self.reserved_pages, self.available_pages(), waiting_need, idle)
+            self.demoter.step(self.reserved_pages, self.available_pages(), need, idle)
 
     def prepare(self, req: Req, item: StepItem) -> None:
         """Before a step computes the item: its pages, and whether this prefill chunk completes a
@@ -211,13 +219,18 @@ class CacheManager:
 
     def memory_stats(self, running: list[Req]) -> dict:
         running_pages = sum(sum(isinstance(e, int) for e in r.pages[r.num_borrowed:]) for r in running)
-        compressed = 0 if self.compressed is None else len(self.compressed.store.held_pages())
+        compressed = scratch = 0
+        if self.compressed is not None:
+            decoder = self.compressed.decoder
+            compressed = len(self.compressed.store.held_pages())
+            scratch = (decoder.max_rows - decoder.free_rows) * decoder.row_pages
         return {
             "page_size": self.page_size,
             "total_pages": self.pool.capacity,
             "free_pages": self.pool.num_free,
             "tree_pages": self.tree.total_pages,
             "compressed_pages": compressed,  # compressed state in the pool's pages (segments, the null page)
+            "scratch_pages": scratch,  # running requests' chunk-cache scratch rows, in the pool's pages
             "evictable_pages": self.tree.evictable_pages,
             "running_request_pages": running_pages,
             "reserved_pages": self.reserved_pages,

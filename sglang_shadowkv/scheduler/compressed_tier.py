@@ -14,7 +14,8 @@ suffix prefills against them without restoring them dense (shadowkv/suffix_prefi
 compressed at its prefill gets its own segment during the step that completes it; then its span's
 dense pages are replaced by ChunkRefs, and decode runs the sparse path over every compressed chunk.
 
-Pages: segments take their pages from the one dense pool. `droppable_pages` counts the pages of
+Pages: segments, and the chunk-cache scratch rows of requests that decode compressed, take their
+pages from the one dense pool (admission counts both). `droppable_pages` counts the pages of
 segments that only unlocked tree entries reference (evicting those frees them), so admission can
 count them as available beside the dense evictable pages.
 """
@@ -42,12 +43,13 @@ EAGER_SHARE = 0.8  # policy "tier": compress at prefill when long documents at o
 
 @dataclass
 class AdmissionPlan:
-    """What ShadowKV needs to admit a request: its own span compressed at prefill, if any (its
-    segment's pages are taken at admission), and whether it starts over compressed chunks."""
+    """What ShadowKV needs to admit a request: its own span compressed at prefill, if any, whether
+    it starts over compressed chunks, and the pages both take at admission (its segment's and its
+    chunk-cache scratch row's)."""
     start: int  # first token past the matched prefix
     own_span: int  # tokens of its prompt compressed at its prefill (0: none)
     matched_chunks: bool
-    extra_pages: int  # pages the own segment takes
+    extra_pages: int  # pages the own segment and the scratch row take
 
 
 class CompressedTier:
@@ -112,14 +114,14 @@ class CompressedTier:
             own = 0  # it can be held dense: compressed later only if memory runs short
         if not matched_chunks and not own:
             return None
-        extra = self.store.pages_for(own // self.cfg.chunk_size, self.cfg.num_outliers(own // self.cfg.chunk_size)) \
-            if own else 0
-        return AdmissionPlan(start, own, matched_chunks, extra)
+        chunks = own // self.cfg.chunk_size
+        segment = self.store.pages_for(chunks, self.cfg.num_outliers(chunks)) if own else 0
+        return AdmissionPlan(start, own, matched_chunks, segment + self.decoder.row_pages)
 
     def admit(self, req: Req, plan: AdmissionPlan, entries: list) -> ShadowKVReqState | None:
-        """Take the plan's segment and a scratch row (None, nothing taken, when either is short:
-        the request waits). A suffix over matched chunks attends them exactly when it is long, or
-        when the request scores its prompt (logprobs)."""
+        """Take the plan's segment and a scratch row with its pages (None, nothing taken, when
+        either is short: the request waits). A suffix over matched chunks attends them exactly when
+        it is long, or when the request scores its prompt (logprobs)."""
         seg = None
         if plan.own_span:
             seg = self.store.alloc_segment(plan.start, plan.own_span, self.cfg.num_outliers(plan.own_span // self.cfg.chunk_size))

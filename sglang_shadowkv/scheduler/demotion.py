@@ -6,7 +6,8 @@ or a waiting request needs more than the headroom, the least recently used unloc
 at least shadowkv_min_context tokens is chosen (its most recent local_window tokens stay dense, as
 at a prefill compression). A job locks it, takes its segment's pages and compresses it a few
 layers per scheduler step, reading the dense pages' K/V, on a side stream on a GPU, so a decode
-step waits on it for a few milliseconds at most. When every layer is done and no request holds
+step waits on it for a few milliseconds at most; when a waiting request cannot start until the
+job frees its pages, the job does all its layers at once. When every layer is done and no request holds
 the span, its tree entries become the segment's chunks and its dense pages go back to the pool; a
 request that matched the span meanwhile keeps reading it dense, and the swap waits for it.
 """
@@ -75,15 +76,19 @@ class Demoter:
 
     # ---- work ----------------------------------------------------------------------------------
     def step(self, reserved_pages: int, available_pages: int, waiting_need: int, idle: bool) -> None:
-        """Advance the demotion by this step's share of work (all of it when nothing decodes);
-        start a job when memory is short. available_pages: free + evictable - reserved."""
+        """Advance the demotion by this step's share of work; start a job when memory is short.
+        All of the job's work goes in one step when nothing decodes, or when the next waiting
+        request needs more than the headroom (its first token waits on this demotion, so a few
+        steps of decode run slower instead of that request waiting many steps).
+        available_pages: free + evictable - reserved."""
         if self.job is None and self.wanted(reserved_pages, waiting_need):
             self._start(available_pages)
         job = self.job
         if job is None:
             return
+        urgent = idle or waiting_need > self.headroom(reserved_pages)
         budget = TOKEN_LAYERS_PER_STEP
-        while job.layer < self.store.num_layers and (idle or budget > 0):
+        while job.layer < self.store.num_layers and (urgent or budget > 0):
             self._compress_layer(job)
             budget -= job.num_tokens
         if job.layer == self.store.num_layers:

@@ -3,11 +3,12 @@ slot, segment, scratch row and request row is free or held, and held by exactly 
 
 Owners: the radix tree (its entries), each running request (its own entries past the borrowed
 prefix, the copies it made of entries another request cached first, its segment being
-compressed, its scratch row and table row), each live compressed segment (its pages: compressed
-state lives in the dense pool's pages), a demotion under way (its segment) and the compressed
-pool itself (its null page). A compressed segment's reference count must equal the chunk
-references that the tree and the requests hold. Run by the scheduler whenever it goes idle
-with `--check-integrity` (tests turn it on), and by tests after random sequences of requests.
+compressed, its scratch row with that row's pages, and its table row), each live compressed
+segment (its pages: compressed state lives in the dense pool's pages), a demotion under way (its
+segment) and the compressed pool itself (its null page). A compressed segment's reference count
+must equal the chunk references that the tree and the requests hold. Run by the scheduler
+whenever it goes idle with `--check-integrity` (tests turn it on), and by tests after random
+sequences of requests.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ def check_pools(cache: "CacheManager", running: list["Req"]) -> None:
     errors: list[str] = []
     tree_entries = list(cache.tree.entries())
     owned = [e for r in running for e in r.pages[r.num_borrowed:] + r.duplicate_entries]
-    compressed_pages = [] if cache.compressed is None else cache.compressed.store.held_pages()
-    _check_once(errors, "page", range(1, cache.pool.capacity + 1), cache.pool.free_ids(),
-                [e for e in tree_entries + owned if isinstance(e, int)] + compressed_pages)
+    pages = [e for e in tree_entries + owned if isinstance(e, int)]
+    if cache.compressed is not None:  # compressed state, and the scratch rows' pages
+        decoder = cache.compressed.decoder
+        pages += cache.compressed.store.held_pages() + [
+            p for r in running if r.shadowkv is not None for p in decoder.pages_of_row(r.shadowkv.scratch_row)]
+    _check_once(errors, "page", range(1, cache.pool.capacity + 1), cache.pool.free_ids(), pages)
     _check_tree_counts(errors, cache, tree_entries)
     reserved = sum(r.reserved_pages for r in running)
     if reserved != cache.reserved_pages:

@@ -1,5 +1,16 @@
 """Prefill: the waiting queue, admission (memory, shared-prefix deferral) and each step's chunks of
-the admitted prompts within the chunk budget."""
+the admitted prompts within the chunk budget, in the order the schedule policy gives.
+
+Policies (SGLang's names): `fcfs` serves requests in arrival order. `hrrn` (the default), highest
+response ratio next with token-based aging as SGLang computes it: a request's ratio is the prefill
+tokens the server has computed since it arrived over the prompt tokens it still needs (its
+uncached part); the highest goes first. A question on a cached document (a few uncached tokens)
+thus overtakes a cold document at once, while a cold document's ratio grows with every token
+computed for others, so nobody waits forever: a request of U uncached tokens is passed by a later
+one of u tokens only while that one has waited less than u/U of its own wait. Measured reason
+(SGLang's client on the H100, 48 chat sessions over their own 16K documents): in arrival order a
+turn over a cached document waited behind every cold document queued before it.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +22,7 @@ from .cache import CacheManager
 from .request import Req
 
 SHARED_PREFILL_TOKENS = 256  # a shared prefix at least this long (and most of a prompt) is worth waiting for
+RANKED_WAITING = 128  # hrrn ranks this many waiting requests (in arrival order) a step; the rest wait their turn
 
 
 def shares_prefill(req: Req, prefilling: Req) -> bool:
@@ -47,13 +59,35 @@ def long_document_demand(reqs: list[Req], min_context: int) -> int:
 
 
 class PrefillManager:
-    def __init__(self, cache: CacheManager, chunk_budget: int):
-        self.cache, self.chunk_budget = cache, chunk_budget
+    def __init__(self, cache: CacheManager, chunk_budget: int, policy: str = "hrrn"):
+        self.cache, self.chunk_budget, self.policy = cache, chunk_budget, policy
         compressed = cache.compressed
         self.min_context = None if compressed is None else compressed.cfg.min_context
         self.waiting: deque[Req] = deque()  # not admitted yet, in arrival order
         self.prefilling: list[Req] = []  # admitted, prompt not fully computed, in admission order
         self.rejected: list[Req] = []  # dropped at admission (finish_reason says why); reported by the next step
+        self.computed_tokens = 0  # prompt tokens scheduled since start: hrrn's clock
+
+    def add(self, req: Req) -> None:
+        """Queue a request (stamped with the token clock: hrrn ages it from now)."""
+        req.arrival_tokens = self.computed_tokens
+        self.waiting.append(req)
+
+    def _priority(self, req: Req, uncached: int) -> tuple[float, int]:
+        """hrrn's sort key: the highest response ratio (prefill tokens computed since the request
+        arrived, per prompt token it still needs) first; on a tie (both just arrived) the shorter."""
+        ratio = (self.computed_tokens - req.arrival_tokens) / uncached if uncached > 0 else float("inf")
+        return -ratio, uncached
+
+    def _admission_order(self) -> list[Req]:
+        """The waiting requests in the order admission tries them."""
+        if self.policy == "fcfs" or len(self.waiting) < 2:
+            return list(self.waiting)
+        ranked = list(self.waiting)[:RANKED_WAITING]
+        tree = self.cache.tree
+        need = {id(r): len(r.input_ids) - tree.cached_len(r.input_ids) for r in ranked}
+        ranked.sort(key=lambda r: self._priority(r, need[id(r)]))
+        return ranked + list(self.waiting)[RANKED_WAITING:]
 
     def admit(self, free_places: int, nothing_in_flight: bool, running: list[Req]) -> None:
         """Admit waiting requests in order while memory and free_places allow. One that shares a
@@ -61,35 +95,44 @@ class PrefillManager:
         caching): that prompt goes to the radix cache when it completes, so a shared document is
         prefilled (and compressed) once however many of its requests arrive together.
         nothing_in_flight: no request runs and no step is pending, so nothing will free memory."""
-        deferred = []
+        order = self._admission_order()
+        taken: set[int] = set()
         demand = None
-        while self.waiting and free_places > 0:
-            req = self.waiting.popleft()
+        for req in order:
+            if free_places <= 0:
+                break
             if any(shares_prefill(req, other) for other in self.prefilling):
-                deferred.append(req)
                 continue
             if demand is None and self.min_context is not None:
                 demand = long_document_demand([*running, *self.prefilling, req, *self.waiting], self.min_context)
             if not self.cache.try_admit(req, demand or 0):
-                if nothing_in_flight and self.cache.compressed is not None and not self.cache.demotion_can_help():
+                if nothing_in_flight and not self.prefilling and self.cache.compressed is not None \
+                        and not self.cache.demotion_can_help():
                     # nothing running will free the compressed pools: this request can never start
                     req.finish_reason = {"type": "abort", "message": "the ShadowKV pools are full"}
                     self.rejected.append(req)
+                    taken.add(id(req))
                     continue
-                self.waiting.appendleft(req)
-                break  # wait for running requests to finish
+                break  # the first in order waits for memory; nobody overtakes it (it would starve)
             self.prefilling.append(req)
+            taken.add(id(req))
             free_places -= 1
-        self.waiting.extendleft(reversed(deferred))
+        if taken:
+            self.waiting = deque(r for r in self.waiting if id(r) not in taken)
 
     def schedule(self) -> tuple[list[StepItem], list[Req]]:
-        """The next chunk of each admitted prompt, in admission order, within the chunk budget."""
+        """The next chunk of each admitted prompt within the chunk budget: in admission order
+        (fcfs), or by response ratio over the prompt tokens each still needs (hrrn)."""
         items, reqs, budget = [], [], self.chunk_budget
-        for req in self.prefilling:
+        order = self.prefilling
+        if self.policy == "hrrn":
+            order = sorted(order, key=lambda r: self._priority(r, len(r.input_ids) - r.num_computed))
+        for req in order:
             if budget <= 0:
                 break
             tokens = req.input_ids[req.num_computed:req.num_computed + budget]
             budget -= len(tokens)
+            self.computed_tokens += len(tokens)
             item = StepItem(req.pool_row, tokens, req.num_computed, req.shadowkv, len(req.input_ids),
                             req.cached_tokens)
             self.cache.prepare(req, item)

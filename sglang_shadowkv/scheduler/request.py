@@ -38,6 +38,7 @@ class Req:
     shadowkv: Any = None  # ShadowKVReqState when its prefix is (or its prompt will be) compressed
     shadowkv_info: dict | None = None  # the request's ShadowKV memory report, set when it finishes
     document_key: int | None = None  # its long prompt's identity for the compressed tier (prefill.py)
+    arrival_tokens: int = 0  # the prefill manager's token clock when it arrived (hrrn's aging)
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -28,7 +28,7 @@ from sglang_shadowkv.constrained import create_grammar_backend
 from sglang_shadowkv.constrained.grammar_manager import GrammarManager
 from sglang_shadowkv.layers.sampler import sample
 from sglang_shadowkv.model_executor.forward_batch import StepItem
-from sglang_shadowkv.model_executor.model_runner import ModelRunner
+from sglang_shadowkv.model_executor.model_runner import ModelRunner, default_chunked_prefill_size
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
@@ -61,7 +61,8 @@ class Scheduler:
         self.cache = CacheManager(self.runner, self.page_size)
         self.grammars = GrammarManager(lambda: create_grammar_backend(
             self.tokenizer, self.vocab_size, sorted(eos_ids), args.constrained_json_any_whitespace))
-        self.prefill = PrefillManager(self.cache, args.chunked_prefill_size)
+        self.chunked_prefill_size = args.chunked_prefill_size or default_chunked_prefill_size(self.runner.device)
+        self.prefill = PrefillManager(self.cache, self.chunked_prefill_size, args.schedule_policy)
         default_generator = torch.Generator(device=self.sampling_device).manual_seed(args.random_seed)
         self.decode = DecodeManager(self.cache, self.grammars, self.tokenizer, eos_ids, default_generator)
         self.overlap = not args.disable_overlap_schedule
@@ -94,7 +95,7 @@ class Scheduler:
                   logprob=None if logprob is None else ReqLogprobs.for_prompt(logprob, input_ids))
         req.max_total_len = max_total_len
         if not self.grammars.submit(req):  # else it waits there while its grammar compiles
-            self.prefill.waiting.append(req)
+            self.prefill.add(req)
         self.counters.requests += 1
         return req
 
@@ -121,14 +122,13 @@ class Scheduler:
     def step(self) -> list[ReqUpdate]:
         """Launch the next step, then process the one before it (see the module docstring)."""
         ready, failed = self.grammars.take_ready(idle=not (self.prefill.waiting or self.running or self.pending))
-        self.prefill.waiting.extend(ready)
+        for req in ready:
+            self.prefill.add(req)
         self.prefill.rejected.extend(failed)
         running = self.running
         self.prefill.admit(self.args.max_running_requests - len(running),
                            nothing_in_flight=not running and self.pending is None, running=running)
-        waiting = self.prefill.waiting
-        self.cache.maintain(self.cache.pages_for(waiting[0].max_total_len) if waiting else 0,
-                            idle=not self.running)
+        self.cache.maintain(idle=not self.running)
         updates = [ReqUpdate(req, [], True) for req in self.prefill.rejected]
         self.prefill.rejected.clear()
         if self.pending is not None and any(r.needs_host_tokens for r in self.decode.running):
@@ -204,7 +204,7 @@ class Scheduler:
     def run_when_idle(self) -> None:
         """Each time the scheduler goes idle: finish a demotion under way (nothing decodes to be
         slowed), and with --check-integrity check the pool accounting."""
-        self.cache.maintain(0, idle=True)
+        self.cache.maintain(idle=True)
         if self.args.check_integrity:
             self.cache.check_integrity(self.running)
 

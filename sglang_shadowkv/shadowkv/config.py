@@ -59,7 +59,9 @@ class ShadowKVConfig:
                                      "(default: from the device and --shadowkv-host-mem-fraction)")
     host_mem_fraction: float = _field(0.5, "with --shadowkv-host-tokens unset on a GPU: the share of the machine's "
                                       "available memory page-locked for compressed values")
-    max_requests: int = _field(32, "requests decoding from compressed state at once (each holds a chunk-cache scratch)")
+    max_requests: int | None = _field(None, "most requests decoding from compressed state at once (default: "
+                                      "--max-running-requests); each takes its chunk-cache scratch (a page per "
+                                      "chunk of the budget's cap) from the KV pool while it runs")
     sparse_prefill_max: int = _field(2048, "a prompt suffix over a cached compressed document up to this many tokens "
                                      "attends the chunks it selects (per 64 queries); a longer one attends every "
                                      "chunk, streamed; 0: always every chunk")
@@ -77,19 +79,19 @@ class ShadowKVConfig:
         def bad(name: str, want: str, got) -> ValueError:
             return ValueError(f"shadowkv_{name} must be {want}, got {got!r}")
 
-        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
-            raise bad("rank", "a positive int or None", self.rank)
         if not isinstance(self.rank_energy, (int, float)) or not 0.0 < self.rank_energy <= 1.0:
             raise bad("rank_energy", "in (0, 1]", self.rank_energy)
-        if self.rank_cap is not None and (not isinstance(self.rank_cap, int) or self.rank_cap < 1):
-            raise bad("rank_cap", "a positive int or None", self.rank_cap)
         object.__setattr__(self, "budget", parse_budget(self.budget))
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]", self.top_p)
-        for name in ("chunk_size", "outliers", "min_budget_chunks", "min_context", "max_requests", "max_budget"):
+        for name in ("chunk_size", "outliers", "min_budget_chunks", "min_context", "max_budget"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise bad(name, "a positive int", value)
+        for name in ("rank", "rank_cap", "max_requests", "host_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise bad(name, "a positive int or None", value)
         if not isinstance(self.local_window, int) or self.local_window < 0:
             raise bad("local_window", "a non-negative int", self.local_window)
         if self.budget != "auto" and not 0.0 < self.budget <= 1.0:
@@ -103,8 +105,6 @@ class ShadowKVConfig:
                 raise bad(name, f"one of {tuple(STORAGE_DTYPES)}", getattr(self, name))
         if not isinstance(self.sparse_prefill_max, int) or self.sparse_prefill_max < 0:
             raise bad("sparse_prefill_max", "a non-negative int", self.sparse_prefill_max)
-        if self.host_tokens is not None and (not isinstance(self.host_tokens, int) or self.host_tokens < 1):
-            raise bad("host_tokens", "a positive int or None", self.host_tokens)
         if not isinstance(self.host_mem_fraction, (int, float)) or not 0.0 < self.host_mem_fraction < 1.0:
             raise bad("host_mem_fraction", "in (0, 1)", self.host_mem_fraction)
 

@@ -3,6 +3,12 @@
 Per layer: landmark logits → softmax per query head → max over each KV group → top-k per KV head
 → chunk-cache plan (only misses move) → key rebuild on the compute stream while the value gather
 reads pinned host memory on a second stream → exact attention over [outliers; selected; window].
+
+A request's chunk-cache scratch is a row of `row_pages` pages of the dense pool, taken when it is
+admitted and given back when it ends (kernels/scratch_blocks.py: entry e of KV head h is a [c, D]
+block of page scratch_pages[row, e], in every layer's K and V memory). So no scratch is set aside
+at startup: while nothing is compressed the dense pool holds its pages, and the number of rows
+(shadowkv_max_requests, by default the running-request limit) costs only a small page table.
 """
 
 from __future__ import annotations
@@ -61,24 +67,21 @@ class SparseDecoder:
         self.use_triton = use_triton
         self.max_chunks = max(1, max_chunks)
         self.max_entries = cfg.budget_chunks(self.max_chunks)
-        h, c, d = pool.num_kv_heads, pool.chunk_size, pool.head_dim
-        # one extra row: the scratch of dense and padded batch entries, which never select a chunk
+        # one extra row: the scratch of dense and padded batch entries, which never select a chunk;
+        # it holds no pages (its entries name the null page: never read, never written)
         self.max_rows = max_rows
         self.dummy_row = max_rows
-        shape = (max_rows + 1, h, self.max_entries, c, d)
-        gpu = dict(dtype=pool.dtype, device=pool.device)
-        layers = pool.num_layers
-        # uninitialized: an entry is read only once written (held), and readers mask the rest; on a
-        # CPU the pages of rows never used are then never touched (a server's default scratch is GBs)
-        self.scratch_k = [torch.empty(shape, **gpu) for _ in range(layers)]
-        self.scratch_v = [torch.empty(shape, **gpu) for _ in range(layers)]
-        self.held = [torch.full(shape[:3], -1, dtype=torch.int64, device=pool.device) for _ in range(layers)]
-        self.hits = torch.zeros(max_rows + 1, 2, dtype=torch.int64, device=pool.device)  # hits, lookups
-        self.finished_hits = torch.zeros(2, dtype=torch.int64, device=pool.device)
+        dev, layers, rows = pool.device, pool.num_layers, max_rows + 1
+        # each taken row's pages (alloc_row); an entry is read only once written (held), readers mask the rest
+        self.scratch_pages = torch.full((rows, self.max_entries), pool.null_page, dtype=torch.int32, device=dev)
+        self._row_pages: dict[int, list[int]] = {}
+        self.held = [torch.full((rows, pool.num_kv_heads, self.max_entries), -1, dtype=torch.int64, device=dev)
+                     for _ in range(layers)]
+        self.hits = torch.zeros(rows, 2, dtype=torch.int64, device=dev)  # hits, lookups
+        self.finished_hits = torch.zeros(2, dtype=torch.int64, device=dev)
         # per scratch row and layer, how many KV-head steps selected k chunks (column k)
-        self.budget_hist = torch.zeros(max_rows + 1, layers, self.max_entries + 1, dtype=torch.int64,
-                                       device=pool.device)
-        self.finished_budget_hist = torch.zeros(layers, self.max_entries + 1, dtype=torch.int64, device=pool.device)
+        self.budget_hist = torch.zeros(rows, layers, self.max_entries + 1, dtype=torch.int64, device=dev)
+        self.finished_budget_hist = torch.zeros(layers, self.max_entries + 1, dtype=torch.int64, device=dev)
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.copy_stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._plan_key: tuple | None = None
@@ -86,9 +89,13 @@ class SparseDecoder:
         self.graph_plan: StepPlan | None = None  # static buffers of CUDA-graph steps (init_graph_state)
 
     @property
+    def row_pages(self) -> int:
+        """Dense-pool pages a scratch row takes: one per entry."""
+        return self.max_entries
+
+    @property
     def scratch_bytes_per_request(self) -> int:
-        k = self.scratch_k[0]
-        return 2 * len(self.scratch_k) * k[0].numel() * k.element_size()
+        return self.row_pages * self.pool.chunk_size * self.pool.kv.bytes_per_token
 
     @property
     def free_rows(self) -> int:
@@ -98,11 +105,21 @@ class SparseDecoder:
         """The free scratch rows (a copy; for accounting checks)."""
         return list(self._free_rows)
 
+    def pages_of_row(self, row: int) -> list[int]:
+        """The dense-pool pages a row holds (a copy, empty for a free row; for accounting checks)."""
+        return list(self._row_pages.get(row, []))
+
     def alloc_row(self) -> int | None:
-        """A scratch row for a new compressed request (None when all are taken)."""
+        """A scratch row for a new compressed request, with its row_pages pages of the dense pool
+        (None, nothing taken, when every row is taken or the pool has too few free pages)."""
         if not self._free_rows:
             return None
+        pages = self.pool.kv.alloc(self.row_pages)
+        if pages is None:
+            return None
         row = self._free_rows.pop()
+        self._row_pages[row] = pages
+        self.scratch_pages[row] = to_device(torch.tensor(pages, dtype=torch.int32), self.pool.device)
         for held in self.held:  # forget the chunks the row's previous owner held
             held[row] = -1
         self.hits[row] = 0
@@ -110,8 +127,11 @@ class SparseDecoder:
         return row
 
     def free_row(self, row: int) -> None:
+        """Give the row and its pages back (a step still queued on the device that reads them runs
+        before any later writer of those pages: one stream)."""
         self.finished_budget_hist += self.budget_hist[row]
         self.finished_hits += self.hits[row]
+        self.pool.kv.free(self._row_pages.pop(row))
         self._free_rows.append(row)
 
     def hit_counts(self, row: int) -> tuple[int, int]:
@@ -272,9 +292,8 @@ class SparseDecoder:
         """Exact attention of q [B, Hq, D] over its outliers, scratch entries and dense window."""
         pool = self.pool
         attend_fn = sda.sparse_decode_attention if self.use_triton else sda.sparse_decode_attention_reference
-        return attend_fn(q, pool.outlier_k[layer], pool.outlier_v[layer], outliers,
-                         self.scratch_k[layer], self.scratch_v[layer], rows, entries.int(),
-                         kv_pool.k_buffers[layer], kv_pool.v_buffers[layer],
+        return attend_fn(q, pool.blocks_k[layer], pool.blocks_v[layer], outliers, self.scratch_pages, rows,
+                         entries.int(), kv_pool.k_buffers[layer], kv_pool.v_buffers[layer],
                          window_indptr, window_indices, q.shape[-1] ** -0.5, lse=lse)
 
     def _fetch(self, jobs: torch.Tensor, layer: int, rows: torch.Tensor) -> None:
@@ -284,7 +303,7 @@ class SparseDecoder:
         gather_fn = gv.gather_values if self.use_triton else gv.gather_values_reference
 
         def gather():
-            gather_fn(pool.host_v[layer], pool.host_slot, jobs, self.scratch_v[layer], rows,
+            gather_fn(pool.host_v[layer], pool.host_slot, jobs, pool.blocks_v[layer], self.scratch_pages, rows,
                       None if pool.value_scale is None else pool.value_scale[layer])
 
         if self.copy_stream is None:
@@ -297,7 +316,7 @@ class SparseDecoder:
             jobs.record_stream(self.copy_stream)
             rows.record_stream(self.copy_stream)
         rebuild_fn(pool.a_lo[layer], pool.a_hi[layer], *pool.basis_memory(layer), self.rotary.cos_cache,
-                   self.rotary.sin_cache, pool.chunk_pos, pool.chunk_basis, jobs, self.scratch_k[layer], rows,
-                   pool.basis_rank[layer])
+                   self.rotary.sin_cache, pool.chunk_pos, pool.chunk_basis, jobs, pool.blocks_k[layer],
+                   self.scratch_pages, rows, pool.basis_rank[layer])
         if self.copy_stream is not None:
             torch.cuda.current_stream(pool.device).wait_stream(self.copy_stream)

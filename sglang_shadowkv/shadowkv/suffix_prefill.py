@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_shadowkv.kernels import ragged_paged_attention as rpa
+from sglang_shadowkv.kernels.scratch_blocks import scratch_blocks
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
 
 from .decode import SparseDecoder
@@ -302,20 +303,13 @@ class SuffixPrefill:
         r, t, hq, d = qt.shape
         h, c = pool.num_kv_heads, pool.chunk_size
         g = hq // h
-
-        def gather(ids, fetch):  # ids [R, Hkv, n] (-1: none) -> [R, Hkv, n * c, D] float32, valid
-            safe = ids.clamp(min=0).long()
-            return fetch(safe).reshape(r, h, -1, d).float(), (ids >= 0).repeat_interleave(c, dim=2)
-
-        heads, long_rows = torch.arange(h, device=qt.device)[None, :, None], rows.long()[:, None, None]
-        ok, o_valid = gather(outliers, lambda i: pool.outlier_k[layer][i])
-        ov, _ = gather(outliers, lambda i: pool.outlier_v[layer][i])
-        sk, s_valid = gather(entries, lambda i: decoder.scratch_k[layer][long_rows, heads, i])
-        sv, _ = gather(entries, lambda i: decoder.scratch_v[layer][long_rows, heads, i])
-        valid = torch.cat([o_valid, s_valid], 2)
-        # entries never written hold whatever the scratch's memory held (it is allocated uninitialized):
-        # zero their values, so that a zero probability times them stays zero
-        keys, values = torch.cat([ok, sk], 2), torch.cat([ov, sv], 2).masked_fill(~valid[..., None], 0.0)
+        # the outlier blocks, then the blocks of the scratch entries: [R, Hkv, O + K] (-1: none)
+        blocks = torch.cat([outliers.long(), scratch_blocks(decoder.scratch_pages, rows, entries)], 2)
+        ids, valid = blocks.clamp(min=0), (blocks >= 0).repeat_interleave(c, dim=2)
+        keys = pool.blocks_k[layer][ids].reshape(r, h, -1, d).float()
+        # entries never written hold whatever their pages held before: zero their values, so that a
+        # zero probability times them stays zero
+        values = pool.blocks_v[layer][ids].reshape(r, h, -1, d).float().masked_fill(~valid[..., None], 0.0)
         invalid = ~valid[:, :, None, :]
         q = qt.float().view(r, t, h, g, d).permute(0, 2, 1, 3, 4).reshape(r, h, t * g, d)  # [R, Hkv, t * G, D]
         out, lse = torch.empty_like(q), q.new_empty(r, h, t * g)

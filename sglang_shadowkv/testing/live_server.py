@@ -43,11 +43,13 @@ def wait_until(condition, timeout: float, what: str, period: float = 0.1):
 
 def pool_leaks(info: dict) -> dict:
     """What an idle server has not given back, from its /get_server_info answer: KV pages neither
-    free nor in the radix tree; with ShadowKV, segments and host slots (chunk slots: one slot of
-    every compressed pool, host values included) neither free nor the tree's, chunk references
-    held outside the tree and scratch rows still taken. All zero when nothing leaked."""
+    free nor in the radix tree (nor compressed state's, nor a scratch row's); with ShadowKV,
+    segments and host slots (chunk slots: one slot of every compressed pool, host values included)
+    neither free nor the tree's, chunk references held outside the tree and scratch rows still
+    taken. All zero when nothing leaked."""
     mem = info["memory"]
-    leaks = {"pages": mem["total_pages"] - mem["free_pages"] - mem["tree_pages"] - mem.get("compressed_pages", 0),
+    leaks = {"pages": mem["total_pages"] - mem["free_pages"] - mem["tree_pages"] - mem.get("compressed_pages", 0)
+             - mem.get("scratch_pages", 0),
              "segments": 0, "host_slots": 0, "chunk_refs": 0, "scratch_rows": 0}
     if info.get("shadowkv") is not None:
         held = info["shadowkv"]["holders"]

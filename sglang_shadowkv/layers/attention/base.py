@@ -135,6 +135,12 @@ class AttentionBackend(ABC):
         """The captured variant a padded decode batch replays with (NO_GRAPH: run it eagerly)."""
         return None if sum(batch.seq_lens) <= self._graph_kv_indices.numel() else NO_GRAPH
 
+    def graph_parts(self, items: list) -> bool:
+        """Whether a step mixing prompt chunks with decodes should run its decodes (and short
+        suffixes) from their graphs and only the rest eagerly. Dense backends: no, a mixed step is
+        one eager pass (decode tokens ride along with the prompt chunk's GEMMs for free)."""
+        return False
+
     def suffix_graph_variant(self, batch: ForwardBatch):
         """The variant a graph batch of prompt chunks, each padded in place (cuda_graph_runner's
         suffix step), replays with; dense backends run prompt chunks eagerly (NO_GRAPH)."""
