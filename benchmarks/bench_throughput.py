@@ -224,7 +224,11 @@ def shadowkv_requests(loaded, backend: str, batch: int, context: int, keys: str,
         kv_shape = (2, slots.numel(), runner.config.num_kv_heads, runner.config.head_dim)
         for layer in range(runner.config.num_layers):  # only the window: other pages hold compressed state
             runner.pool.set_kv(layer, slots, *torch.randn(kv_shape, dtype=runner.dtype, device=DEV, generator=gen))
-        state = ShadowKVReqState(runner.decoder.alloc_row(), layout=segment_layout(own, cfg.chunk_size))
+        scratch_row = runner.decoder.alloc_row()
+        if scratch_row is None:  # it would decode its window only: a wrong measurement, not a slow one
+            raise RuntimeError(f"no chunk-cache scratch row for request {len(items)} of {batch}: "
+                               f"{runner.pool.num_free} pool pages free, a row takes {runner.decoder.row_pages}")
+        state = ShadowKVReqState(scratch_row, layout=segment_layout(own, cfg.chunk_size))
         items.append(StepItem(row, [0], context - 1, state))
     runner.compressed_pool.wait_host_writes()
     sync()
