@@ -241,8 +241,12 @@ def decode_rate(runner: ModelRunner, items: list[StepItem], steps: int, graph: b
     random token stream; each step also makes the greedy pick a server would."""
     stream = torch.randint(0, runner.config.vocab_size, (warmup + steps + 1, len(items)), device=DEV)
 
-    def eager(tokens):
-        return runner.forward([dataclasses.replace(it, token_ids=[t]) for it, t in zip(items, tokens.tolist())])
+    def eager(tokens):  # one-token prompt chunks, never a graph (a suffix graph would take them)
+        graphs, runner.graphs = runner.graphs, None
+        try:
+            return runner.forward([dataclasses.replace(it, token_ids=[t]) for it, t in zip(items, tokens.tolist())])
+        finally:
+            runner.graphs = graphs
 
     step, out = eager, {}
     if graph:  # the scheduler's path: the tokens on the device, the step replayed from fixed buffers
@@ -251,7 +255,7 @@ def decode_rate(runner: ModelRunner, items: list[StepItem], steps: int, graph: b
         decode_items = [dataclasses.replace(it, token_ids=[]) for it in items]
         rows = torch.tensor([it.pool_row for it in items], device=DEV)
         want = eager(stream[-1]).clone()
-        if runner.graphs is None:
+        if runner.graphs is None or runner.graphs.bucket(len(items)) is None:  # none yet, or too small
             runner.init_graphs(len(items), capture=True, only_for=decode_items)
 
         def step(tokens):
