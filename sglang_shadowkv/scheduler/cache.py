@@ -40,7 +40,7 @@ class CacheManager:
                                if shadowkv else None)
         self.reserved_pages = 0
         # pages the request admission last turned away needs, ShadowKV's segment and scratch row
-        # included (the scheduler's waiting need counts only its tokens): what a demotion must free
+        # included: what a demotion must free for it
         self.turned_away_need = 0
         self.counters = CacheCounters()
         self.compressed = CompressedTier(runner, self.tree, page_size) if shadowkv else None
@@ -121,12 +121,12 @@ class CacheManager:
         self.counters.dense_prefix_hits += any(isinstance(e, int) for e in matched)
         self.counters.reprefilled_tokens += self.tree.dropped_tokens_at(req.input_ids, req.cached_tokens)
 
-    def maintain(self, idle: bool, waiting_need: int = 0) -> None:
-        """Between steps: the demotion's share of work (all of it when nothing decodes, or when a
-        waiting request needs its pages). The request admission turned away this step counts with
-        its full need (its ShadowKV segment and scratch row included): a wait for a demotion that
-        a smaller need would not start never ends."""
-        need, self.turned_away_need = max(waiting_need, self.turned_away_need), 0
+    def maintain(self, idle: bool) -> None:
+        """Between steps: the demotion's share of work (all of it when nothing decodes, or when the
+        request admission turned away this step needs its pages). That request counts with its
+        full need (its ShadowKV segment and scratch row included): a wait for a demotion that a
+        smaller need would not start never ends."""
+        need, self.turned_away_need = self.turned_away_need, 0
         if self.demoter is not None:
             self.demoter.step(self.reserved_pages, self.available_pages(), need, idle)
 

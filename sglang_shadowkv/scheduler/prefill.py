@@ -4,12 +4,12 @@ the admitted prompts within the chunk budget, in the order the schedule policy g
 Policies (SGLang's names): `fcfs` serves requests in arrival order. `hrrn` (the default), highest
 response ratio next with token-based aging as SGLang computes it: a request's ratio is the prefill
 tokens the server has computed since it arrived over the prompt tokens it still needs (its
-uncached part); the highest goes first. A question on a cached document (a few uncached tokens)
-thus overtakes a cold document at once, while a cold document's ratio grows with every token
-computed for others, so nobody waits forever: a request of U uncached tokens is passed by a later
-one of u tokens only while that one has waited less than u/U of its own wait. Measured reason
-(SGLang's client on the H100, 48 chat sessions over their own 16K documents): in arrival order a
-turn over a cached document waited behind every cold document queued before it.
+uncached part); the highest goes first, the shorter on a tie. A later request of u uncached
+tokens goes ahead of one of U that has waited W once it has waited W·u/U itself: a question on a
+cached document (a few uncached tokens) overtakes a cold document almost at once, while the cold
+document's ratio grows with every token computed for others, so nobody waits forever. Why: with
+48 chat sessions over their own 16K documents (SGLang's client on the H100), in arrival order a
+turn over a cached document waited behind every cold first turn queued before it.
 """
 
 from __future__ import annotations
