@@ -7,8 +7,11 @@ Llama-3.1-8B-shaped attention (32 query heads, 8 KV heads, head dim 128, bf16), 
   3. one decode layer: ShadowKV (scores, top-k, chunk cache, rebuild + fetch, sparse attention)
      against full attention (FlashInfer decode if importable, else the Triton paged kernel) at
      32K and 128K context, batch 1..48, with the chunk-cache hit rate of drifting queries;
-  4. prefill compression of one layer against the dense prefill of that layer (32K, 128K), and
-     eigh-vs-SVD agreement of the reconstructed keys.
+  4. the sparse attention kernel alone, its keys split among programs or not (decode batches and
+     suffix tiles);
+  5. prefill compression of one layer against the dense prefill of that layer (32K, 128K), and
+     eigh-vs-SVD agreement of the reconstructed keys; a 32-layer segment's compression at the
+     defaults (bases of all layers solved in one batch) against 32 dense layers.
 Segments are made by the engine's compression (compress_layer) from random keys and values, in a
 compressed pool inside a one-layer dense pool of their own (mem_cache/compressed_pool.py).
 Prints one table per part; writes JSON to $OUT/bench_kernels.json (or --out).
@@ -40,18 +43,18 @@ from sglang_shadowkv.layers.rotary import RotaryEmbedding  # noqa: E402
 from sglang_shadowkv.mem_cache.compressed_layout import segment_pages, slot_layout  # noqa: E402
 from sglang_shadowkv.mem_cache.compressed_pool import Segment, ShadowKVPool  # noqa: E402
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool  # noqa: E402
-from sglang_shadowkv.shadowkv.compress import compress_layer, low_rank_basis  # noqa: E402
+from sglang_shadowkv.shadowkv.compress import SegmentCompression, compress_layer, low_rank_basis  # noqa: E402
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig  # noqa: E402
 from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest  # noqa: E402
 from sglang_shadowkv.shadowkv.request_state import segment_layout  # noqa: E402
 
-HQ, HKV, D, CHUNK, RANK = 32, 8, 128, 8, 160
+HQ, HKV, D, CHUNK, RANK, LAYERS = 32, 8, 128, 8, 160, 32
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
 DT = torch.bfloat16 if CUDA else torch.float32
 
 
-PARTS = ("bandwidth", "compression", "decode_layer")
+PARTS = ("bandwidth", "compression", "decode_layer", "key_splits")
 
 
 def timeit(fn, reps: int = 20, warmup: int = 3) -> float:
@@ -75,14 +78,14 @@ def timeit(fn, reps: int = 20, warmup: int = 3) -> float:
 
 
 def segment_store(num_segments: int, tokens: int, outliers: int,
-                  scratch_pages: int) -> tuple[ShadowKVPool, list[Segment]]:
-    """A one-layer compressed pool inside a dense pool of its own, just big enough for num_segments
-    segments of `tokens` tokens (from position 0), allocated, and scratch_pages pages of chunk-cache
-    scratch."""
+                  scratch_pages: int, layers: int = 1) -> tuple[ShadowKVPool, list[Segment]]:
+    """A compressed pool (one layer unless told) inside a dense pool of its own, just big enough for
+    num_segments segments of `tokens` tokens (from position 0), allocated, and scratch_pages pages
+    of chunk-cache scratch."""
     n = tokens // CHUNK
     layout = slot_layout(CHUNK, HKV, D, RANK, DT, DT, DT)
     pages = num_segments * segment_pages(layout, n, outliers, RANK, CHUNK) + scratch_pages + 2  # + page 0, null page
-    store = ShadowKVPool(PagedKVPool(pages, CHUNK, 1, HKV, D, DT, DEV), RANK, num_segments * n, num_segments)
+    store = ShadowKVPool(PagedKVPool(pages, CHUNK, layers, HKV, D, DT, DEV), RANK, num_segments * n, num_segments)
     return store, [store.alloc_segment(0, tokens, outliers) for _ in range(num_segments)]
 
 
@@ -230,7 +233,61 @@ def decode_layer(context: int, batches: list[int], steps: int, window: int) -> l
     return rows
 
 
-# ---- 4: prefill compression cost ---------------------------------------------------------------------
+def key_split_cost(shapes: list[tuple[int, int]]) -> list[dict]:
+    """The sparse attention kernel alone over 48 outlier and 256 selected chunks per KV head (the
+    defaults' cap), for (requests, queries each) shapes: decode batches (1 query) and suffix tiles
+    (64 queries), its keys split among programs as `key_splits` picks against one program each."""
+    from sglang_shadowkv.kernels.sparse_decode_attention import key_splits, sparse_decode_attention
+
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    entries, outliers, window = 256, 48, 64
+    rows = []
+    for requests, queries in shapes:
+        pages = requests * (entries + outliers) + 1
+        blocks_k, blocks_v = (torch.randn(pages * HKV, CHUNK, D, dtype=DT, device=DEV, generator=gen) for _ in range(2))
+        page_ids = torch.randperm(pages - 1, device=DEV, generator=gen) + 1
+        outlier_blocks = (page_ids[:requests * outliers].view(requests, 1, outliers) * HKV
+                          + torch.arange(HKV, device=DEV)[:, None]).int()
+        scratch = page_ids[requests * outliers:].view(requests, entries).int().contiguous()
+        ent = torch.arange(entries, device=DEV, dtype=torch.int32).expand(requests, HKV, entries).contiguous()
+        kv = torch.randn(requests * window, HKV, D, dtype=DT, device=DEV, generator=gen)
+        indptr = (torch.arange(requests + 1, device=DEV) * window).int()
+        q = torch.randn(requests * queries, HQ, D, dtype=torch.float32 if queries > 1 else DT, device=DEV,
+                        generator=gen)
+        args = (q, blocks_k, blocks_v, outlier_blocks, scratch, torch.arange(requests, device=DEV).int(), ent,
+                kv, kv, indptr if queries == 1 else torch.zeros_like(indptr),
+                torch.arange(requests * window, device=DEV).int(), D ** -0.5)
+        lse = torch.empty(requests * queries, HQ, device=DEV)
+        programs = requests * HKV * (1 if queries == 1 else -(-queries // 16))
+        splits = key_splits(programs, (entries + outliers) * CHUNK // 64, DEV)
+        one = timeit(replayed(lambda: sparse_decode_attention(*args, lse=lse, queries_per_request=queries, splits=1)))
+        auto = timeit(replayed(lambda: sparse_decode_attention(*args, lse=lse, queries_per_request=queries)))
+        rows.append({"requests": requests, "queries": queries, "splits": splits, "one_split_us": one * 1e6,
+                     "split_us": auto * 1e6, "speedup": one / auto})
+    return rows
+
+
+def replayed(fn):
+    """fn as a CUDA graph's replay on the GPU (device time alone, as the server's steps run it:
+    eagerly, the host's launches would set the pace), else fn."""
+    if not CUDA:
+        return fn
+    fn()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def print_key_splits(rows: list[dict]) -> None:
+    print(f"\n{'requests':>8} {'queries':>7} {'splits':>6} {'1 split us':>10} {'split us':>9} {'speedup':>7}")
+    for r in rows:
+        print(f"{r['requests']:8d} {r['queries']:7d} {r['splits']:6d} {r['one_split_us']:10.1f} "
+              f"{r['split_us']:9.1f} {r['speedup']:7.2f}")
+
+
+# ---- 5: prefill compression cost ---------------------------------------------------------------------
 class _CausalSdpa:
     """One request's causal prefill attention for the dense-layer baseline (GQA via repeat)."""
 
@@ -265,14 +322,13 @@ def compression_parts(k: torch.Tensor, rotary: RotaryEmbedding) -> dict:
     """Milliseconds of the pieces of one layer's compression, Triton kernels beside their references."""
     from sglang_shadowkv.kernels.chunk_stats import chunk_stats, chunk_stats_reference
     from sglang_shadowkv.kernels.rotary import rotate, rotate_reference
-    from sglang_shadowkv.shadowkv.compress import tf32_matmuls, top_subspace
+    from sglang_shadowkv.shadowkv.compress import spectrum_of_grams, tf32_matmuls
 
     pos = torch.arange(k.shape[0], device=DEV)
     rot_args = (k, rotary.cos_cache, rotary.sin_cache, pos, True, torch.float32)
     x = rotate(*rot_args).reshape(k.shape[0], -1)
     gram = x.T @ x
-    small = torch.randn(RANK + 32, RANK + 32, device=DEV)
-    small = small @ small.T
+    grams = gram.expand(LAYERS, -1, -1).contiguous()
     ms = lambda fn: timeit(fn, reps=5, warmup=1) * 1e3  # noqa: E731
 
     def gram_tf32():
@@ -282,10 +338,8 @@ def compression_parts(k: torch.Tensor, rotary: RotaryEmbedding) -> dict:
     return {"inverse_rope_triton_ms": ms(lambda: rotate(*rot_args)),
             "inverse_rope_reference_ms": ms(lambda: rotate_reference(*rot_args)),
             "gram_tf32_ms": ms(gram_tf32),
-            "subspace_fixed_rank_ms": ms(lambda: top_subspace(gram, RANK, with_values=False)),
-            "subspace_rayleigh_ritz_ms": ms(lambda: top_subspace(gram, RANK, with_values=True)),
-            "eigh_192_fp32_ms": ms(lambda: torch.linalg.eigh(small)),
-            "eigh_192_fp64_ms": ms(lambda: torch.linalg.eigh(small.double())),
+            "subspace_one_layer_ms": ms(lambda: spectrum_of_grams(gram[None], RANK, "subspace")),
+            f"subspace_{LAYERS}_layers_batched_ms": ms(lambda: spectrum_of_grams(grams, RANK, "subspace")),
             "chunk_stats_triton_ms": ms(lambda: chunk_stats(k, CHUNK)),
             "chunk_stats_reference_ms": ms(lambda: chunk_stats_reference(k, CHUNK))}
 
@@ -324,7 +378,28 @@ def compression_cost(context: int) -> dict:
         b = low_rank_basis(x, RANK, mcfg.energy, mcfg.lowrank_method)
         row[f"{name}_rank"] = b.shape[0]
         row[f"{name}_error_vs_svd"] = rel_error(b) / rel_error(svd_rows[:b.shape[0]])
+    row.update(segment_compression_cost(context, k, v, rotary, t_dense))
     return row
+
+
+def segment_compression_cost(context: int, k: torch.Tensor, v: torch.Tensor, rotary: RotaryEmbedding,
+                             t_dense: float) -> dict:
+    """A whole segment's compression as the engine runs it at default settings (every layer added
+    as its attention ran, the bases of all layers solved together at the end), the same keys in
+    every layer, against the dense prefill of that many layers."""
+    cfg = ShadowKVConfig()
+    store, (seg,) = segment_store(1, context, cfg.num_outliers(context // CHUNK), 0, layers=LAYERS)
+
+    def compress():
+        job = SegmentCompression(store, seg, rotary, cfg)
+        for layer in range(LAYERS):
+            job.add_layer(layer, k, v)
+        job.finish(lambda _: k)
+
+    with torch.inference_mode():
+        seconds = timeit(compress, reps=3, warmup=1)
+    return {"segment_layers": LAYERS, "compress_segment_ms": seconds * 1e3,
+            "segment_share_of_dense": seconds / (LAYERS * t_dense), "segment_ranks": seg.settle_ranks()}
 
 
 def main() -> None:
@@ -341,7 +416,9 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__}
     runs = {"bandwidth": lambda: bandwidth_and_overlap(slots, 48 if not args.smoke else 2, entries),
             "compression": lambda: [compression_cost(c) for c in contexts],
-            "decode_layer": lambda: [r for c in contexts for r in decode_layer(c, batches, 8, 72)]}
+            "decode_layer": lambda: [r for c in contexts for r in decode_layer(c, batches, 8, 72)],
+            "key_splits": lambda: key_split_cost([(1, 1), (2, 1)] if args.smoke else
+                                                 [(1, 1), (4, 1), (8, 1), (16, 1), (48, 1), (1, 64), (4, 64), (16, 64)])}
     for part in args.parts:
         result[part] = runs[part]()
         with open(args.out, "w") as f:  # partial results survive a later failure
@@ -353,6 +430,8 @@ def main() -> None:
         print_compression(result["compression"])
     if "decode_layer" in result:
         print_decode_layer(result["decode_layer"])
+    if "key_splits" in result:
+        print_key_splits(result["key_splits"])
 
 
 def print_bandwidth(bw: dict) -> None:
@@ -374,6 +453,9 @@ def print_compression(rows: list[dict]) -> None:
                   f"{r[f'compress_{m}_with_host_copy_ms']:13.2f} {r[f'{m}_error_vs_svd']:7.3f}")
         print("  parts (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in r.items() if k.endswith("_ms")
                                           and not k.startswith(("compress_", "dense_"))))
+        print(f"  a {r['segment_layers']}-layer segment at defaults: {r['compress_segment_ms']:.1f} ms, "
+              f"{r['segment_share_of_dense']:.1%} of its dense prefill (ranks {min(r['segment_ranks'])}-"
+              f"{max(r['segment_ranks'])})")
 
 
 def print_decode_layer(rows: list[dict]) -> None:

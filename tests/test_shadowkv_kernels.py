@@ -1,5 +1,7 @@
 """ShadowKV kernels against their torch references on fresh random inputs (interpreter on CPU)."""
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -171,10 +173,12 @@ def test_gather_values(chunk_size, head_dim, int8):
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("chunk_size,head_dim", [(8, 64), (4, 32)])
-def test_sparse_decode_attention(group, chunk_size, head_dim):
-    gen = torch.Generator().manual_seed(group * 10 + head_dim)
+@pytest.mark.parametrize("queries", [1, 5, 20])  # per request: a decode query, or a suffix tile's
+@pytest.mark.parametrize("splits", [1, 3])  # each program's keys split among 3 programs, merged
+def test_sparse_decode_attention(group, chunk_size, head_dim, queries, splits):
+    gen = torch.Generator().manual_seed(group * 10 + head_dim + queries)
     batch, hkv, entries, pool_slots, num_pages = 3, 2, 9, 300, 80
-    q = torch.randn(batch, hkv * group, head_dim, generator=gen)
+    q = torch.randn(batch * queries, hkv * group, head_dim, generator=gen)
     # one block array for outliers and scratch: outliers on 15 random pages, scratch rows on others
     order = torch.randperm(num_pages - 1, generator=gen) + 1
     outlier_pages = order[:15]
@@ -199,11 +203,22 @@ def test_sparse_decode_attention(group, chunk_size, head_dim):
     indptr = torch.tensor([0] + lens).cumsum(0).int()
     args = [t.to(DEVICE) for t in (q, blocks_k, blocks_v, outliers, scratch_pages, rows, ent.int(),
                                    k_pool, v_pool, indptr, window)] + [head_dim ** -0.5]
-    lse_got, lse_want = (torch.full((batch, hkv * group), float("nan"), device=DEVICE) for _ in range(2))
-    torch.testing.assert_close(sparse_decode_attention(*args, lse=lse_got),
-                               sparse_decode_attention_reference(*args, lse=lse_want), rtol=TOL, atol=TOL)
+    lse_got, lse_want = (torch.full((batch * queries, hkv * group), float("nan"), device=DEVICE) for _ in range(2))
+    want = sparse_decode_attention_reference(*args, lse=lse_want, queries_per_request=queries)
+    got = sparse_decode_attention(*args, lse=lse_got, queries_per_request=queries, splits=splits)
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
     torch.testing.assert_close(lse_got, lse_want, rtol=TOL, atol=TOL)
     assert lse_want.isfinite().all()
+    if queries > 1:  # a tile's queries attend as decode queries of their request would, one by one
+        per_query = [a.repeat_interleave(queries, 0) for a in args[3:4]] + args[4:5] + [
+            a.repeat_interleave(queries, 0) for a in args[5:7]]
+        lens_q = torch.tensor(lens).repeat_interleave(queries)
+        starts = indptr[:-1].repeat_interleave(queries)
+        window_q = torch.cat([window[a:a + n] for a, n in zip(starts.tolist(), lens_q.tolist())]).to(DEVICE)
+        indptr_q = torch.cat([torch.zeros(1), lens_q.cumsum(0)]).int().to(DEVICE)
+        one_by_one = sparse_decode_attention_reference(args[0], *args[1:3], *per_query, *args[7:9], indptr_q,
+                                                       window_q, args[11])
+        torch.testing.assert_close(want, one_by_one, rtol=TOL, atol=TOL)
 
 
 def test_sparse_attention_of_nothing_is_zero_with_minus_infinite_lse():
@@ -218,7 +233,8 @@ def test_sparse_attention_of_nothing_is_zero_with_minus_infinite_lse():
     none = torch.full((2, 2, 4), -1, dtype=torch.int32)
     args = [t.to(DEVICE) for t in (q, blocks, blocks, none[:, :, :2], scratch_pages, torch.tensor([0, 1]).int(),
                                    none, pool, pool, torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))]
-    for fn in (sparse_decode_attention, sparse_decode_attention_reference):
+    for fn in (sparse_decode_attention, functools.partial(sparse_decode_attention, splits=2),
+               sparse_decode_attention_reference):
         lse = torch.zeros(2, 4, device=DEVICE)
         out = fn(*args, 0.2, lse=lse)
         assert (out == 0).all() and (lse == float("-inf")).all()

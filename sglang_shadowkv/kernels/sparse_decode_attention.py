@@ -10,11 +10,15 @@ scratch (rebuilt/fetched chunks, a row of pages per request) are read alike. One
 three; each query head reads its KV head (GQA). One program per (request, KV head) serves all its
 query heads. With `lse` the log-sum-exp of each query head's scores is stored too (natural log;
 -inf and a zero output when nothing is attended), so partial attentions over disjoint key sets can
-be merged: a suffix prefill attends the compressed prefix this way, one query per "request", and
-its own tokens densely.
+be merged: a suffix prefill attends the compressed prefix this way and its own tokens densely.
+There a "request" is a tile of `queries_per_request` queries (rows b·Q .. b·Q + Q - 1 of q) that
+share one selection: a program serves QUERY_BLOCK of them, so the tile's keys are read once per
+QUERY_BLOCK queries instead of once per query (64 queries per tile read them 64 times before).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -22,16 +26,22 @@ import triton.language as tl
 
 from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_blocks
 
+TILE_QUERY_BLOCK = 16  # queries of a tile per program: 16 queries x 4 heads = 64 rows of a dot
+
 
 def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries,
-                                      k_pool, v_pool, window_indptr, window_indices, sm_scale, lse=None):
-    """q [B, Hq, D] -> [B, Hq, D]; float32 softmax over the gathered keys of each KV head;
-    lse [B, Hq] float32, if given, receives each query head's log-sum-exp.
+                                      k_pool, v_pool, window_indptr, window_indices, sm_scale, lse=None,
+                                      queries_per_request=1):
+    """q [B·Q, Hq, D] -> [B·Q, Hq, D] (Q = queries_per_request: rows b·Q.. of q attend request b's
+    keys); float32 softmax over the gathered keys of each KV head; lse [B·Q, Hq] float32, if given,
+    receives each query head's log-sum-exp.
 
     The keys of every (request, KV head) are gathered into one padded tensor with a mask
     (missing outliers, entries and window positions masked out), so a step is a few batched
     operations: this is also ShadowKV's decode attention on a CPU."""
-    b_, hq, d = q.shape
+    hq, d = q.shape[1:]
+    nq = queries_per_request
+    b_ = q.shape[0] // nq
     hkv = k_pool.shape[1]
     blocks = torch.cat([outlier_blocks.long(), scratch_blocks(scratch_pages, scratch_rows, entries)], 2)
     b_ok, b_ids = blocks >= 0, blocks.clamp(min=0)  # [B, Hkv, O + K]
@@ -47,14 +57,15 @@ def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scr
 
     c = blocks_k.shape[1]
     valid = torch.cat([b_ok.repeat_interleave(c, dim=2), w_ok[:, None, :].expand(-1, hkv, -1)], dim=2)  # [B, Hkv, L]
-    qh = q.float().view(b_, hkv, hq // hkv, d)
+    g = hq // hkv
+    qh = q.float().view(b_, nq, hkv, g, d).transpose(1, 2).reshape(b_, hkv, nq * g, d)
     scores = (qh @ keys(blocks_k, k_pool).transpose(2, 3) * sm_scale).masked_fill(~valid[:, :, None], float("-inf"))
-    total = scores.logsumexp(-1)  # [B, Hkv, G]; -inf where nothing is attended
+    total = scores.logsumexp(-1)  # [B, Hkv, Q·G]; -inf where nothing is attended
     probs = torch.exp(scores - total.nan_to_num(neginf=0.0)[..., None])
     values = keys(blocks_v, v_pool).masked_fill(~valid[..., None], 0.0)  # masked: may be garbage
-    out = (probs @ values).view(b_, hq, d)
+    out = (probs @ values).view(b_, hkv, nq, g, d).transpose(1, 2).reshape(b_ * nq, hq, d)
     if lse is not None:
-        lse.copy_(total.view(b_, hq))
+        lse.copy_(total.view(b_, hkv, nq, g).transpose(1, 2).reshape(b_ * nq, hq))
     return out.to(q.dtype)
 
 
@@ -85,38 +96,46 @@ def _fold_chunks(q, BLOCKS_K, BLOCKS_V, block, valid, token_of, m_i, l_i, acc, s
 
 @triton.jit
 def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, ENTRIES, K_POOL, V_POOL,
-                          W_INDPTR, W_INDICES, O_OUT, LSE, sm_scale, NUM_OUT, NUM_ENT,
+                          W_INDPTR, W_INDICES, O_OUT, LSE, sm_scale, NUM_OUT, NUM_ENT, OUT_SPLIT_STRIDE,
                           stride_qb, stride_qh, stride_block, stride_olb, stride_olh, stride_sp,
                           stride_eb, stride_eh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
-                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          CHUNK: tl.constexpr, CHUNKS_PER_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
-                          STORE_LSE: tl.constexpr):
+                          QUERIES, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERY_BLOCK: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PER_BLOCK: tl.constexpr,
+                          BLOCK_W: tl.constexpr, STORE_LSE: tl.constexpr, SPLITS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
-    offs_g = tl.arange(0, GROUP_PAD)
+    split = tl.program_id(2) % SPLITS  # this program's share of each key source
+    # the program's rows: QUERY_BLOCK queries of request b, times its KV head's query heads
+    ROWS_M: tl.constexpr = QUERY_BLOCK * GROUP_PAD
+    offs_m = tl.arange(0, ROWS_M)
+    query = tl.program_id(2) // SPLITS * QUERY_BLOCK + offs_m // GROUP_PAD
+    head = h * GROUP + offs_m % GROUP_PAD
+    m_valid = (offs_m % GROUP_PAD < GROUP) & (query < QUERIES)
+    q_row = (b * QUERIES + query).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
-    g_valid = offs_g < GROUP
-    q = tl.load(Q + b * stride_qb + (h * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=g_valid[:, None], other=0.0)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    q = tl.load(Q + q_row[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=m_valid[:, None], other=0.0)
+    m_i = tl.full([ROWS_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS_M], tl.float32)
+    acc = tl.zeros([ROWS_M, HEAD_DIM], tl.float32)
     BLOCK: tl.constexpr = CHUNKS_PER_BLOCK * CHUNK
     offs_n = tl.arange(0, BLOCK)
     chunk_of = offs_n // CHUNK
     token_of = offs_n % CHUNK
     # outlier chunks: blocks named by the plan
-    for i in range(0, NUM_OUT, CHUNKS_PER_BLOCK):
+    out_lo, out_hi = _split_range(NUM_OUT, split, SPLITS, CHUNKS_PER_BLOCK)
+    for i in range(out_lo, out_hi, CHUNKS_PER_BLOCK):
         idx = i + chunk_of
-        block = tl.load(OUTLIERS + b * stride_olb + h * stride_olh + idx, mask=idx < NUM_OUT, other=-1).to(tl.int64)
+        block = tl.load(OUTLIERS + b * stride_olb + h * stride_olh + idx, mask=idx < out_hi, other=-1).to(tl.int64)
         m_i, l_i, acc = _fold_chunks(q, BLOCKS_K, BLOCKS_V, block, block >= 0, token_of, m_i, l_i, acc, sm_scale,
                                      stride_block, HEAD_DIM)
     # selected chunks: entries of this request's scratch row, blocks of its pages
     row = tl.load(ROWS + b).to(tl.int64)
-    for j in range(0, NUM_ENT, CHUNKS_PER_BLOCK):
+    ent_lo, ent_hi = _split_range(NUM_ENT, split, SPLITS, CHUNKS_PER_BLOCK)
+    for j in range(ent_lo, ent_hi, CHUNKS_PER_BLOCK):
         idx = j + chunk_of
-        entry = tl.load(ENTRIES + b * stride_eb + h * stride_eh + idx, mask=idx < NUM_ENT, other=-1)
+        entry = tl.load(ENTRIES + b * stride_eb + h * stride_eh + idx, mask=idx < ent_hi, other=-1)
         valid = entry >= 0
         block = scratch_block(SCRATCH_PAGES, stride_sp, row, tl.maximum(entry, 0), h, num_heads)
         m_i, l_i, acc = _fold_chunks(q, BLOCKS_K, BLOCKS_V, block, valid, token_of, m_i, l_i, acc, sm_scale,
@@ -125,8 +144,9 @@ def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, 
     w_start = tl.load(W_INDPTR + b)
     w_len = tl.load(W_INDPTR + b + 1) - w_start
     offs_w = tl.arange(0, BLOCK_W)
-    for n in range(0, w_len, BLOCK_W):
-        valid = n + offs_w < w_len
+    w_lo, w_hi = _split_range(w_len, split, SPLITS, BLOCK_W)
+    for n in range(w_lo, w_hi, BLOCK_W):
+        valid = n + offs_w < w_hi
         slot = tl.load(W_INDICES + w_start + n + offs_w, mask=valid, other=0).to(tl.int64)
         k = tl.load(K_POOL + slot[None, :] * stride_kt + h * stride_kh + offs_d[:, None],
                     mask=valid[None, :], other=0.0)
@@ -135,17 +155,31 @@ def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, 
         m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale)
     empty = l_i == 0.0  # nothing attended: a zero output, and -inf for merging
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    tl.store(O_OUT + b * stride_ob + (h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :],
-             out.to(O_OUT.dtype.element_ty), mask=g_valid[:, None])
+    out_at = O_OUT + split * OUT_SPLIT_STRIDE  # with splits: this split's partial output (float32)
+    tl.store(out_at + q_row[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(O_OUT.dtype.element_ty), mask=m_valid[:, None])
     if STORE_LSE:
         lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-        tl.store(LSE + b * GROUP * num_heads + h * GROUP + offs_g, lse, mask=g_valid)
+        tl.store(LSE + split * (OUT_SPLIT_STRIDE // HEAD_DIM) + q_row * GROUP * num_heads + head, lse, mask=m_valid)
+
+
+@triton.jit
+def _split_range(count, split, SPLITS: tl.constexpr, STEP: tl.constexpr):
+    """[lo, hi) of split `split` of range(count), in whole steps."""
+    per = tl.cdiv(tl.cdiv(count, SPLITS), STEP) * STEP
+    lo = tl.minimum(split * per, count)
+    return lo, tl.minimum(lo + per, count)
 
 
 def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries,
-                            k_pool, v_pool, window_indptr, window_indices, sm_scale, lse=None):
-    """Triton version of `sparse_decode_attention_reference` (same arguments)."""
-    b, hq, d = q.shape
+                            k_pool, v_pool, window_indptr, window_indices, sm_scale, lse=None,
+                            queries_per_request=1, splits=None):
+    """Triton version of `sparse_decode_attention_reference` (same arguments). `splits` (default:
+    `key_splits`) divides each program's keys among that many programs, merged by log-sum-exp: a
+    few programs alone (a small decode batch, one question's tiles) would leave most of the GPU
+    idle while each walks its ~300 chunks one block at a time."""
+    n, hq, d = q.shape
+    b = n // queries_per_request
     hkv = k_pool.shape[1]
     chunk = blocks_k.shape[1]
     out = torch.empty_like(q)
@@ -155,16 +189,78 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
         raise ValueError("blocks_k and blocks_v must be contiguous [c, D] blocks, laid out alike")
     if scratch_pages.stride(1) != 1:
         raise ValueError("scratch_pages must be contiguous in its last dimension")
-    if lse is not None and (lse.shape != (b, hq) or not lse.is_contiguous() or lse.dtype != torch.float32):
-        raise ValueError(f"lse must be a contiguous float32 [{b}, {hq}] tensor")
+    if lse is not None and (lse.shape != (n, hq) or not lse.is_contiguous() or lse.dtype != torch.float32):
+        raise ValueError(f"lse must be a contiguous float32 [{n}, {hq}] tensor")
+    if n != b * queries_per_request:
+        raise ValueError(f"q's {n} rows are not {queries_per_request} queries per request")
     group = hq // hkv
-    _sparse_decode_kernel[(b, hkv)](
+    # one query per program pads its heads to 16 rows (tl.dot's least); a tile of queries fills them
+    query_block = 1 if queries_per_request == 1 else min(TILE_QUERY_BLOCK, triton.next_power_of_2(queries_per_request))
+    group_pad = max(triton.next_power_of_2(group), triton.cdiv(16, query_block))
+    chunks_per_block = max(1, 64 // chunk)
+    programs = b * hkv * triton.cdiv(queries_per_request, query_block)
+    if splits is None:
+        blocks = triton.cdiv(outlier_blocks.shape[2], chunks_per_block) + triton.cdiv(entries.shape[2], chunks_per_block)
+        splits = key_splits(programs, blocks, q.device)
+    if splits > 1:  # partial outputs and log-sum-exps per split, merged below
+        part_out = torch.empty(splits, n, hq, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(splits, n, hq, dtype=torch.float32, device=q.device)
+        dest, dest_lse, split_stride = part_out, part_lse, part_out.stride(0)
+    else:
+        dest, dest_lse, split_stride = out, out if lse is None else lse, 0  # (LSE unread without lse)
+    _sparse_decode_kernel[(b, hkv, triton.cdiv(queries_per_request, query_block) * splits)](
         q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries, k_pool, v_pool,
-        window_indptr, window_indices, out, out if lse is None else lse, sm_scale,  # (LSE unread without lse)
-        outlier_blocks.shape[2], entries.shape[2],
+        window_indptr, window_indices, dest, dest_lse, sm_scale, outlier_blocks.shape[2], entries.shape[2], split_stride,
         q.stride(0), q.stride(1), blocks_k.stride(0), outlier_blocks.stride(0), outlier_blocks.stride(1),
         scratch_pages.stride(0), entries.stride(0), entries.stride(1),
-        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, CHUNK=chunk,
-        CHUNKS_PER_BLOCK=max(1, 64 // chunk), BLOCK_W=32, STORE_LSE=lse is not None)
+        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), dest.stride(-3), dest.stride(-2),
+        queries_per_request, GROUP=group, GROUP_PAD=group_pad, QUERY_BLOCK=query_block, HEAD_DIM=d, CHUNK=chunk,
+        CHUNKS_PER_BLOCK=chunks_per_block, BLOCK_W=32, STORE_LSE=lse is not None or splits > 1, SPLITS=splits)
+    if splits > 1:
+        _merge_splits_kernel[(n * hq,)](part_out, part_lse, out, part_lse if lse is None else lse, n * hq, hq,
+                                        out.stride(0), out.stride(1), SPLITS=splits,
+                                        SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=d,
+                                        STORE_LSE=lse is not None)
     return out
+
+
+@triton.jit
+def _merge_splits_kernel(PART_OUT, PART_LSE, O_OUT, LSE, ROWS, HEADS, stride_ob, stride_oh, SPLITS: tl.constexpr,
+                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr):
+    """One (query row, head): the splits' partial outputs [S, rows·heads, D] weighted by their
+    share exp(lse_s - lse) of the softmax; a row no split attended stays 0 with lse -inf."""
+    r = tl.program_id(0)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    part_lse = tl.load(PART_LSE + offs_s * ROWS + r, mask=offs_s < SPLITS, other=float("-inf"))
+    m = tl.max(part_lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(part_lse - m_safe)
+    total = tl.sum(w, 0)
+    part = tl.load(PART_OUT + (offs_s * ROWS + r).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
+                   mask=(offs_s < SPLITS)[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    row, head = r // HEADS, r % HEADS
+    tl.store(O_OUT + row.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(O_OUT.dtype.element_ty))
+    if STORE_LSE:
+        tl.store(LSE + r, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total))))
+
+
+MIN_BLOCKS_PER_SPLIT = 4  # a split's least work: its fixed cost (q, output, merge) is a few blocks'
+
+
+def key_splits(programs: int, key_blocks: int, device: torch.device) -> int:
+    """How many ways to split each program's key blocks: none once the programs fill half the
+    SMs (on the H100, 3 splits of 128 programs gained nothing for a decode batch and lost 18% for
+    4 suffix tiles); else enough for two programs per SM, each split at least
+    MIN_BLOCKS_PER_SPLIT blocks, at most 16 (1 on a CPU). Measured there (benchmarks/bench_kernels.py
+    key_splits): a decode batch of 1 took 25 µs a layer instead of 103, one 64-query tile 68 instead of 214."""
+    if device.type != "cuda" or 2 * programs > _sm_count(device):
+        return 1
+    wanted = triton.cdiv(2 * _sm_count(device), programs)
+    return max(1, min(16, wanted, key_blocks // MIN_BLOCKS_PER_SPLIT))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -26,6 +26,8 @@ from sglang_shadowkv.mem_cache.radix_cache import TreeNode
 from .counters import DemotionCounters
 
 if TYPE_CHECKING:
+    from sglang_shadowkv.layers.attention.shadowkv_backend import SpanCompression
+
     from .compressed_tier import CompressedTier
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class DemotionJob:
     start: int  # position of the span's first token
     pages: list[int]  # the span's dense pages, in token order
     segment: Segment
+    compression: "SpanCompression | None" = None  # started with the first layer
     layer: int = 0  # next layer to compress
     waited: int = 0  # steps spent finished but waiting for the span to be free
     done: torch.cuda.Event | None = None
@@ -127,16 +130,21 @@ class Demoter:
         self.job = DemotionJob(node, segment.start, list(node.pages), segment)
 
     def _compress_layer(self, job: DemotionJob) -> None:
-        backend = self.tier.runner.backend
         if self.stream is None:
-            backend.compress_pages(job.pages, job.segment, job.layer)
-        else:
+            self._compress_layer_here(job)
+        else:  # the job's buffers are made on the side stream too: freed there, reused after its work
             self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))
             with torch.cuda.stream(self.stream):
-                backend.compress_pages(job.pages, job.segment, job.layer)
+                self._compress_layer_here(job)
             job.done = torch.cuda.Event()
             job.done.record(self.stream)
         job.layer += 1
+
+    def _compress_layer_here(self, job: DemotionJob) -> None:
+        backend = self.tier.runner.backend
+        if job.compression is None:
+            job.compression = backend.start_compression(backend.page_slots(job.pages, job.segment), job.segment)
+        backend.compress_layer(job.compression, job.layer)
 
     def _finish(self, job: DemotionJob) -> None:
         """Swap the span's dense entries for the segment's chunks once no request holds it."""

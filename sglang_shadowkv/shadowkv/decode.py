@@ -288,13 +288,16 @@ class SparseDecoder:
 
     def attend_selected(self, q: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,
                         entries: torch.Tensor, window_indptr: torch.Tensor, window_indices: torch.Tensor,
-                        kv_pool: PagedKVPool, lse: torch.Tensor | None = None) -> torch.Tensor:
-        """Exact attention of q [B, Hq, D] over its outliers, scratch entries and dense window."""
+                        kv_pool: PagedKVPool, lse: torch.Tensor | None = None,
+                        queries_per_request: int = 1) -> torch.Tensor:
+        """Exact attention of q [B·Q, Hq, D] (Q queries per request, 1 when decoding) over each
+        request's outliers, scratch entries and dense window."""
         pool = self.pool
         attend_fn = sda.sparse_decode_attention if self.use_triton else sda.sparse_decode_attention_reference
         return attend_fn(q, pool.blocks_k[layer], pool.blocks_v[layer], outliers, self.scratch_pages, rows,
                          entries.int(), kv_pool.k_buffers[layer], kv_pool.v_buffers[layer],
-                         window_indptr, window_indices, q.shape[-1] ** -0.5, lse=lse)
+                         window_indptr, window_indices, q.shape[-1] ** -0.5, lse=lse,
+                         queries_per_request=queries_per_request)
 
     def _fetch(self, jobs: torch.Tensor, layer: int, rows: torch.Tensor) -> None:
         """Rebuild the missed keys and gather their values, on two streams when on a GPU."""

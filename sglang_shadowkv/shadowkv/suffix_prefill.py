@@ -233,7 +233,7 @@ class SuffixPrefill:
             o, o_lse = out[rnd.q_index], lse[rnd.q_index]
             outliers = self.decoder.live_outliers(layer, *rnd.outliers)
             pieces = self._exact_pieces(layer, rnd) if rnd.exact else [self._select(qt, rnd, layer)]
-            attend = self._compressed_shared if rnd.exact else self._compressed_per_query
+            attend = self._compressed_shared if rnd.exact else self._compressed_tiles
             for k, selected in enumerate(pieces):
                 entries = self.decoder.fetch_selected(layer, rnd.rows, selected)
                 part, part_lse = attend(qt, layer, outliers if k == 0 else torch.full_like(outliers, -1),
@@ -274,22 +274,18 @@ class SuffixPrefill:
         return [torch.nn.functional.pad(per_head[:, a:a + size], (0, size - per_head[:, a:a + size].shape[1]),
                                         value=-1)[None] for a in range(0, slots.numel(), size)]
 
-    def _compressed_per_query(self, qt: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,
+    def _compressed_tiles(self, qt: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,
                               entries: torch.Tensor, kv_pool: PagedKVPool) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_compressed_shared` for a tile of at most TILE queries: every query as a decode query of
-        its request (the sparse decode kernel, no window), one kernel instead of ~30 gathers,
-        matmuls and elementwise ops; the keys a tile shares are read once per query, from L2 at
-        this size. float32 queries, so the output and lse stay float32 for the merge."""
+        """`_compressed_shared` for tiles of at most TILE queries: the sparse decode kernel with a
+        tile as a request of t queries (no window), one kernel instead of ~30 gathers, matmuls and
+        elementwise ops, each program reading the keys once for a block of the tile's queries.
+        float32 queries, so the output and lse stay float32 for the merge."""
         r, t, hq, d = qt.shape
-
-        def per_query(x):
-            return x.repeat_interleave(t, dim=0)
-
         n = r * t
-        no_window = torch.zeros(n + 1, dtype=torch.int32, device=qt.device)
+        no_window = torch.zeros(r + 1, dtype=torch.int32, device=qt.device)
         lse = torch.empty(n, hq, dtype=torch.float32, device=qt.device)
-        out = self.decoder.attend_selected(qt.reshape(n, hq, d).float(), layer, per_query(outliers), per_query(rows),
-                                           per_query(entries), no_window, no_window, kv_pool, lse=lse)
+        out = self.decoder.attend_selected(qt.reshape(n, hq, d).float(), layer, outliers, rows, entries, no_window,
+                                           no_window, kv_pool, lse=lse, queries_per_request=t)
         return out.view(r, t, hq, d), lse.view(r, t, hq)
 
     def _compressed_shared(self, qt: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,

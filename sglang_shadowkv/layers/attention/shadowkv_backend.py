@@ -4,21 +4,22 @@ A step's requests take one of three paths: those without a compressed prefix go 
 wrapped dense backend; decode tokens of requests with one go through the sparse decoder; prompt
 chunks after a compressed prefix (a question over a cached document) through the sparse suffix
 prefill. In the step that completes a request's long prompt, each layer compresses its segment
-right after its attention has run, so the prefill is exact over its own tokens and their dense
-pages can be freed after the step. Outside a step, `compress_span` compresses a request's long
+right after its attention has run (the last layer also solves every layer's low-rank basis), so
+the prefill is exact over its own tokens and their dense pages can be freed after the step. Outside a step, `compress_span` compresses a request's long
 dense tail when it finishes.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
 from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool
 from sglang_shadowkv.mem_cache.compressed_pool import Segment, ShadowKVPool
-from sglang_shadowkv.shadowkv.compress import compress_layer
+from sglang_shadowkv.shadowkv.compress import SegmentCompression
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
 from sglang_shadowkv.shadowkv.suffix_prefill import SuffixPlan, SuffixPrefill, SuffixRequest
@@ -29,6 +30,13 @@ DENSE_GRAPH = "dense"  # graph variants (DENSE_GRAPH, v): batches without a comp
 SUFFIX_GRAPH = "suffix"  # graph variants (SUFFIX_GRAPH, width): suffixes over compressed prefixes
 MIN_GRAPH_CHUNK_COLUMNS = 256
 GRAPH_OUTLIER_SEGMENTS = 2  # a decode graph holds the outliers of this many segments per request
+
+
+@dataclass
+class SpanCompression:
+    """A segment being compressed from dense-pool slots: a prompt's span, or a demoted document's pages."""
+    compression: SegmentCompression
+    slots: torch.Tensor
 
 
 class ShadowKVAttentionBackend(AttentionBackend):
@@ -62,8 +70,8 @@ class ShadowKVAttentionBackend(AttentionBackend):
         self.suffix_plan: SuffixPlan | None = self.suffix.plan(
             self.req_to_token, [self._suffix_request(batch, i) for i in suffix],
             [q_starts[i] for i in suffix]) if suffix else None
-        self.to_compress = [(batch.pool_rows[i], st) for i, st in enumerate(shadow)
-                            if st is not None and st.compress_now]
+        self.to_compress = [self.start_compression(self.request_slots(batch.pool_rows[i], st.segment), st.segment)
+                            for i, st in enumerate(shadow) if st is not None and st.compress_now]
 
     @staticmethod
     def _sparse_request(batch: ForwardBatch, i: int) -> SparseRequest:
@@ -166,22 +174,32 @@ class ShadowKVAttentionBackend(AttentionBackend):
             if self.suffix_plan is not None:
                 rows = self.suffix_plan.q_rows
                 out[rows] = self.suffix.attend(q[rows], layer, self.suffix_plan, self.pool)
-        for row, st in self.to_compress:
-            self._compress_layer(row, st.segment, layer)
+        for job in self.to_compress:
+            self.compress_layer(job, layer)
         return out
 
-    def _compress_layer(self, row: int, seg: Segment, layer: int) -> None:
-        self._compress_slots(self.req_to_token.table[row, seg.start:seg.start + seg.num_tokens].long(), seg, layer)
+    # ---- compression of dense KV into a segment -----------------------------------------------------
+    def request_slots(self, row: int, seg: Segment) -> torch.Tensor:
+        """Dense-pool slots of the segment's span of a request's KV."""
+        return self.req_to_token.table[row, seg.start:seg.start + seg.num_tokens].long()
 
-    def _compress_slots(self, slots: torch.Tensor, seg: Segment, layer: int) -> None:
-        compress_layer(self.store, seg, layer, self.pool.k_buffers[layer][slots],
-                       self.pool.v_buffers[layer][slots], self.rotary, self.cfg)
+    def page_slots(self, pages: list[int], seg: Segment) -> torch.Tensor:
+        """Dense-pool slots of the segment's span held in pages of the cache (a demotion)."""
+        return self.pool.slots_of_pages(pages, seg.num_tokens).to(self.pool.device)
+
+    def start_compression(self, slots: torch.Tensor, seg: Segment) -> SpanCompression:
+        return SpanCompression(SegmentCompression(self.store, seg, self.rotary, self.cfg), slots)
+
+    def compress_layer(self, job: SpanCompression, layer: int) -> None:
+        """Compress one layer of the job's dense KV (layers in order); after the last, solve and
+        write every layer's basis."""
+        keys = self.pool.k_buffers
+        job.compression.add_layer(layer, keys[layer][job.slots], self.pool.v_buffers[layer][job.slots])
+        if layer == len(keys) - 1:
+            job.compression.finish(lambda at: keys[at][job.slots])
 
     def compress_span(self, row: int, seg: Segment) -> None:
         """Compress the segment's span of a request's dense KV, every layer (outside a step)."""
+        job = self.start_compression(self.request_slots(row, seg), seg)
         for layer in range(len(self.pool.k_buffers)):
-            self._compress_layer(row, seg, layer)
-
-    def compress_pages(self, pages: list[int], seg: Segment, layer: int) -> None:
-        """Compress one layer of the segment from dense pages of the cache (a demotion)."""
-        self._compress_slots(self.pool.slots_of_pages(pages, seg.num_tokens).to(self.pool.device), seg, layer)
+            self.compress_layer(job, layer)
