@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from sglang_shadowkv.kernels.chunk_stats import chunk_stats, chunk_stats_reference
 from sglang_shadowkv.kernels.gather_values import gather_values, gather_values_reference
-from sglang_shadowkv.kernels.landmark_scores import landmark_logits, landmark_logits_reference
+from sglang_shadowkv.kernels.landmark_scores import (landmark_logits, landmark_logits_reference, tile_landmark_mass,
+                                                      tile_landmark_mass_reference)
 from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys, rebuild_keys_reference
 from sglang_shadowkv.kernels.rotary import rotate, rotate_reference
 from sglang_shadowkv.kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
@@ -51,6 +52,35 @@ def test_landmark_logits(group, head_dim, num_chunks, int8):
     assert torch.equal(got.isinf(), want.isinf())
     assert want.isinf().any() and not want.isinf().all()
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("queries", [3, 20])  # a tile shorter than a query block, and over one
+@pytest.mark.parametrize("num_chunks,int8", [(37, False), (150, True)])
+def test_tile_landmark_mass(group, queries, num_chunks, int8):
+    gen = torch.Generator().manual_seed(group * 100 + queries + num_chunks)
+    tiles, hkv, slots, head_dim = 3, 2, 200, 32
+    q = torch.randn(tiles, queries, hkv * group, head_dim, generator=gen)
+    q_valid = torch.ones(tiles, queries, dtype=torch.bool)
+    q_valid[1, queries // 2:] = False  # a padded tile
+    landmarks = torch.randn(slots, hkv, head_dim, generator=gen)
+    scale = None
+    if int8:
+        landmarks = torch.randint(-127, 128, landmarks.shape, generator=gen, dtype=torch.int8)
+        scale = (torch.rand(slots, hkv, generator=gen) + 0.01).to(DEVICE) / 127
+    selectable = (torch.rand(slots, hkv, generator=gen) < 0.8).to(torch.int8)
+    selectable[0] = 0
+    chunk_slots = torch.stack([torch.randperm(slots - 1, generator=gen)[:num_chunks] + 1 for _ in range(tiles)])
+    chunk_slots[2, num_chunks // 3:] = 0  # a shorter request, padded with the null slot
+    args = [t.to(DEVICE) for t in (q, q_valid, landmarks, chunk_slots.int(), selectable)] + [head_dim ** -0.5]
+    got = tile_landmark_mass(*args, scale, block_n=32)
+    want = tile_landmark_mass_reference(*args, scale)
+    assert torch.equal(got < 0, want < 0) and (want == -1).any() and (want >= 0).any()
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    # each query head's probabilities sum to 1, so a KV head's mass is at least its valid queries'
+    # count (the max over the group) and at most that times the group
+    mass, count = want.clamp(min=0).sum(-1), q_valid.sum(1).to(DEVICE)[:, None].float()
+    assert (mass >= count - 1e-4).all() and (mass <= count * group + 1e-4).all()
 
 
 def _scratch_table(gen, pages: torch.Tensor, rows: int, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,6 +249,20 @@ def test_sparse_decode_attention(group, chunk_size, head_dim, queries, splits):
         one_by_one = sparse_decode_attention_reference(args[0], *args[1:3], *per_query, *args[7:9], indptr_q,
                                                        window_q, args[11])
         torch.testing.assert_close(want, one_by_one, rtol=TOL, atol=TOL)
+
+
+def test_key_splits_fill_idle_sms_in_powers_of_two(monkeypatch):
+    import sglang_shadowkv.kernels.sparse_decode_attention as sda
+
+    monkeypatch.setattr(sda, "_sm_count", lambda device: 132)
+    gpu = torch.device("cuda")
+    assert sda.key_splits(8, 38, gpu) == 8  # 33 wanted, 9 allowed by the blocks: 8
+    assert sda.key_splits(8, 200, gpu) == 16  # at most 16
+    assert sda.key_splits(32, 38, gpu) == 8  # 9 wanted
+    assert sda.key_splits(64, 38, gpu) == 4  # 5 wanted
+    assert sda.key_splits(8, 3, gpu) == 1  # too few blocks to split
+    assert sda.key_splits(67, 38, gpu) == 1  # the programs fill half the SMs
+    assert sda.key_splits(8, 38, torch.device("cpu")) == 1
 
 
 def test_sparse_attention_of_nothing_is_zero_with_minus_infinite_lse():

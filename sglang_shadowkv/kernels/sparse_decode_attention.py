@@ -253,12 +253,14 @@ def key_splits(programs: int, key_blocks: int, device: torch.device) -> int:
     """How many ways to split each program's key blocks: none once the programs fill half the
     SMs (on the H100, 3 splits of 128 programs gained nothing for a decode batch and lost 18% for
     4 suffix tiles); else enough for two programs per SM, each split at least
-    MIN_BLOCKS_PER_SPLIT blocks, at most 16 (1 on a CPU). Measured there (benchmarks/bench_kernels.py
-    key_splits): a decode batch of 1 took 25 µs a layer instead of 103, one 64-query tile 68 instead of 214."""
+    MIN_BLOCKS_PER_SPLIT blocks, at most 16, rounded down to a power of two (each count is a kernel
+    Triton compiles); 1 on a CPU. Measured there (benchmarks/bench_kernels.py key_splits, 9
+    splits): a decode batch of 1 took 25 µs a layer instead of 103, one 64-query tile 68 instead
+    of 214."""
     if device.type != "cuda" or 2 * programs > _sm_count(device):
         return 1
-    wanted = triton.cdiv(2 * _sm_count(device), programs)
-    return max(1, min(16, wanted, key_blocks // MIN_BLOCKS_PER_SPLIT))
+    wanted = max(1, min(16, triton.cdiv(2 * _sm_count(device), programs), key_blocks // MIN_BLOCKS_PER_SPLIT))
+    return 1 << (wanted.bit_length() - 1)
 
 
 @functools.cache

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_shadowkv.kernels import landmark_scores as ls
 from sglang_shadowkv.kernels import ragged_paged_attention as rpa
 from sglang_shadowkv.kernels.scratch_blocks import scratch_blocks
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
@@ -244,25 +245,22 @@ class SuffixPrefill:
         return out.to(q.dtype)
 
     def _select(self, qt: torch.Tensor, rnd: SuffixRound, layer: int) -> torch.Tensor:
-        """[R, Hkv, max_entries] each tile's chunks: landmark mass summed over its queries. A
-        tile's queries score the same landmarks, so each request's landmarks are gathered once
-        and scored by one matmul per KV head (the decode kernel would read them once per query)."""
+        """[R, Hkv, max_entries] each tile's chunks: landmark mass summed over its queries, one fused
+        two-pass kernel on the GPU (kernels/landmark_scores.py); the reference, a few requests at a
+        time within WORK_BYTES, elsewhere."""
         pool = self.decoder.pool
-        r, t, hq, d = qt.shape
-        h, n = pool.num_kv_heads, rnd.chunk_slots.shape[1]
-        g = hq // h
-        masses = []
-        for a, b in _groups(r, t * hq * n * 4 + n * h * d * 4):
-            slots = rnd.chunk_slots[a:b].long()  # [r, N]
-            landmarks = pool.landmarks_of(layer, slots)  # [r, N, Hkv, D]
-            q = qt[a:b].float().view(b - a, t, h, g, d).permute(0, 2, 1, 3, 4).reshape(b - a, h, t * g, d)
-            with exact_bf16_matmul(q.is_cuda):
-                logits = q @ landmarks.permute(0, 2, 3, 1) * d ** -0.5  # [r, Hkv, t * G, N]
-            blocked = ~pool.selectable[layer][slots].permute(0, 2, 1).bool()[:, :, None, :]  # [r, Hkv, 1, N]
-            probs = logits.masked_fill(blocked, float("-inf")).softmax(-1).view(b - a, h, t, g, n).amax(3)
-            valid = rnd.q_valid[a:b, None, :, None]
-            masses.append((probs * valid).nan_to_num().sum(2).masked_fill(blocked[:, :, 0], -1.0))
-        return self.decoder.select(torch.cat(masses), rnd.chunk_slots, rnd.budgets, rnd.top_k)
+        args = (pool.landmarks[layer], rnd.chunk_slots, pool.selectable[layer], qt.shape[-1] ** -0.5,
+                None if pool.landmark_scale is None else pool.landmark_scale[layer])
+        if self.use_triton:
+            masses = ls.tile_landmark_mass(qt, rnd.q_valid, *args)
+        else:
+            r, t, hq, _ = qt.shape
+            n = rnd.chunk_slots.shape[1]
+            per_request = t * hq * n * 4 + n * pool.num_kv_heads * qt.shape[-1] * 4  # probabilities, landmarks
+            masses = torch.cat([ls.tile_landmark_mass_reference(qt[a:b], rnd.q_valid[a:b], args[0],
+                                                                rnd.chunk_slots[a:b], *args[2:])
+                                for a, b in _groups(r, per_request)])
+        return self.decoder.select(masses, rnd.chunk_slots, rnd.budgets, rnd.top_k)
 
     def _exact_pieces(self, layer: int, rnd: SuffixRound) -> list[torch.Tensor]:
         """Every selectable chunk of the round's one request, as [1, Hkv, max_entries] pieces that
