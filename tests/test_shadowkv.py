@@ -499,3 +499,41 @@ def test_abort_during_a_suffix_prefill_frees_everything(shadow_engine):
     assert sched.abort("suffix")
     assert_pool_clean(shadow_engine)
     assert_shadow_pools_clean(shadow_engine)
+
+
+@pytest.mark.parametrize("method", ["subspace", "eigh"])
+def test_a_segment_compressed_in_one_batch_equals_its_layers_compressed_alone(method):
+    """SegmentCompression solves every layer's basis together: each layer must get the rank, basis
+    and low-rank keys it gets compressed on its own (layers of different spectra: no mixing)."""
+    from sglang_shadowkv.layers.rotary import RotaryEmbedding
+    from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
+    from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
+    from sglang_shadowkv.shadowkv.compress import SegmentCompression, compress_layer
+
+    layers, heads, head_dim, tokens = 3, 2, 32, 64
+    cfg = ShadowKVConfig(rank_cap=24, lowrank_method=method, outliers=2)
+    rotary = RotaryEmbedding(head_dim, 10000.0, 256)
+    gen = torch.Generator().manual_seed(7)
+    keys, values = [], []
+    for layer, true_rank in enumerate((3, 9, 40)):  # the last one past the cap
+        k = torch.randn(tokens, true_rank, generator=gen) @ torch.randn(true_rank, heads * head_dim, generator=gen)
+        k_pre = (k + 1e-3 * torch.randn(k.shape, generator=gen)).view(tokens, heads, head_dim)
+        keys.append(rotary.apply(k_pre, torch.arange(tokens)))  # the pool holds post-RoPE keys
+        values.append(torch.randn(tokens, heads, head_dim, generator=gen))
+
+    def pool():
+        return ShadowKVPool(PagedKVPool(64, 4, layers, heads, head_dim, torch.float32, "cpu"), 24, 32, 2)
+
+    together, alone = pool(), pool()
+    seg_together, seg_alone = together.alloc_segment(0, tokens, 2), alone.alloc_segment(0, tokens, 2)
+    job = SegmentCompression(together, seg_together, rotary, cfg)
+    for layer in range(layers):
+        job.add_layer(layer, keys[layer], values[layer])
+        compress_layer(alone, seg_alone, layer, keys[layer], values[layer], rotary, cfg)
+    job.finish(lambda layer: keys[layer])
+    ranks = seg_together.settle_ranks()
+    assert ranks == seg_alone.settle_ranks()
+    assert ranks[0] == 3 and ranks[1] == 9 and ranks[2] == 24
+    for layer in range(layers):
+        torch.testing.assert_close(together.lowrank_rows(layer, seg_together.chunk_slots),
+                                   alone.lowrank_rows(layer, seg_alone.chunk_slots), atol=1e-4, rtol=1e-4)

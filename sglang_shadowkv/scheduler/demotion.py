@@ -144,7 +144,7 @@ class Demoter:
         backend = self.tier.runner.backend
         if job.compression is None:
             job.compression = backend.start_compression(backend.page_slots(job.pages, job.segment), job.segment)
-        backend.compress_layer(job.compression, job.layer)
+        backend.continue_compression(job.compression, job.layer)
 
     def _finish(self, job: DemotionJob) -> None:
         """Swap the span's dense entries for the segment's chunks once no request holds it."""

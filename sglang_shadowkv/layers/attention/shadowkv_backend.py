@@ -175,7 +175,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
                 rows = self.suffix_plan.q_rows
                 out[rows] = self.suffix.attend(q[rows], layer, self.suffix_plan, self.pool)
         for job in self.to_compress:
-            self.compress_layer(job, layer)
+            self.continue_compression(job, layer)
         return out
 
     # ---- compression of dense KV into a segment -----------------------------------------------------
@@ -190,7 +190,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
     def start_compression(self, slots: torch.Tensor, seg: Segment) -> SpanCompression:
         return SpanCompression(SegmentCompression(self.store, seg, self.rotary, self.cfg), slots)
 
-    def compress_layer(self, job: SpanCompression, layer: int) -> None:
+    def continue_compression(self, job: SpanCompression, layer: int) -> None:
         """Compress one layer of the job's dense KV (layers in order); after the last, solve and
         write every layer's basis."""
         keys = self.pool.k_buffers
@@ -202,4 +202,4 @@ class ShadowKVAttentionBackend(AttentionBackend):
         """Compress the segment's span of a request's dense KV, every layer (outside a step)."""
         job = self.start_compression(self.request_slots(row, seg), seg)
         for layer in range(len(self.pool.k_buffers)):
-            self.compress_layer(job, layer)
+            self.continue_compression(job, layer)
