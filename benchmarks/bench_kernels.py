@@ -236,8 +236,8 @@ def decode_layer(context: int, batches: list[int], steps: int, window: int) -> l
 def key_split_cost(shapes: list[tuple[int, int]]) -> list[dict]:
     """The sparse attention kernel alone over 48 outlier and 256 selected chunks per KV head (the
     defaults' cap), for (requests, queries each) shapes: decode batches (1 query) and suffix tiles
-    (64 queries), its keys split among programs as `key_splits` picks against one program each."""
-    from sglang_shadowkv.kernels.sparse_decode_attention import key_splits, sparse_decode_attention
+    (64 queries), its keys split among programs as the kernel picks by default against one program each."""
+    from sglang_shadowkv.kernels.sparse_decode_attention import default_key_splits, sparse_decode_attention
 
     gen = torch.Generator(device=DEV).manual_seed(3)
     entries, outliers, window = 256, 48, 64
@@ -258,8 +258,7 @@ def key_split_cost(shapes: list[tuple[int, int]]) -> list[dict]:
                 kv, kv, indptr if queries == 1 else torch.zeros_like(indptr),
                 torch.arange(requests * window, device=DEV).int(), D ** -0.5)
         lse = torch.empty(requests * queries, HQ, device=DEV)
-        programs = requests * HKV * (1 if queries == 1 else -(-queries // 16))
-        splits = key_splits(programs, (entries + outliers) * CHUNK // 64, DEV)
+        splits = default_key_splits(requests, HKV, queries, outliers, entries, CHUNK, DEV)
         one = timeit(replayed(lambda: sparse_decode_attention(*args, lse=lse, queries_per_request=queries, splits=1)))
         auto = timeit(replayed(lambda: sparse_decode_attention(*args, lse=lse, queries_per_request=queries)))
         rows.append({"requests": requests, "queries": queries, "splits": splits, "one_split_us": one * 1e6,

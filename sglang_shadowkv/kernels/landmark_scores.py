@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.sparse_decode_attention import program_rows
+
 
 def landmark_logits_reference(q, landmarks, chunk_slots, selectable, sm_scale, scale=None):
     """q [B, Hq, D]; landmarks [S, Hkv, D]; chunk_slots [B, N] int; selectable [S, Hkv] int8;
@@ -76,7 +78,7 @@ def landmark_logits(q, landmarks, chunk_slots, selectable, sm_scale, scale=None,
         selectable if scale is None else scale, out, sm_scale, n,  # (SCALE unread if unscaled)
         q.stride(0), q.stride(1), landmarks.stride(0), landmarks.stride(1), chunk_slots.stride(0),
         selectable.stride(0), 0 if scale is None else scale.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_N=block_n,
+        GROUP=group, GROUP_PAD=program_rows(1, group)[1], HEAD_DIM=d, BLOCK_N=block_n,
         SCALED=scale is not None)
     return out
 
@@ -183,8 +185,7 @@ def tile_landmark_mass(q, q_valid, landmarks, chunk_slots, selectable, sm_scale,
         return torch.full((r, h, n), -1.0, device=q.device)
     if scale is not None and scale.stride(1) != 1:
         raise ValueError("scale must be contiguous over KV heads")
-    query_block = min(16, triton.next_power_of_2(t))
-    group_pad = max(triton.next_power_of_2(group), triton.cdiv(16, query_block))
+    query_block, group_pad = program_rows(t, group)
     q_blocks, n_blocks, rows = triton.cdiv(t, query_block), triton.cdiv(n, block_n), query_block * group_pad
     common = (q, landmarks, chunk_slots, selectable, selectable if scale is None else scale)  # (SCALE unread if unscaled)
     strides = (q.stride(0), q.stride(1), q.stride(2), landmarks.stride(0), landmarks.stride(1), chunk_slots.stride(0),

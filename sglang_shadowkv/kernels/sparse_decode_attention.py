@@ -29,6 +29,19 @@ from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_blocks
 TILE_QUERY_BLOCK = 16  # queries of a tile per program: 16 queries x 4 heads = 64 rows of a dot
 
 
+def program_rows(queries: int, group: int) -> tuple[int, int]:
+    """(queries, heads) a program's dot rows cover: up to TILE_QUERY_BLOCK of a request's queries
+    times its KV group's query heads, the heads padded to a power of two and so that the dot has
+    at least 16 rows (tl.dot's least: one decode query pads its heads to 16)."""
+    query_block = min(TILE_QUERY_BLOCK, triton.next_power_of_2(queries))
+    return query_block, max(triton.next_power_of_2(group), triton.cdiv(16, query_block))
+
+
+def chunks_per_key_block(chunk: int) -> int:
+    """Chunks a program folds per step: 64 keys."""
+    return max(1, 64 // chunk)
+
+
 def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries,
                                       k_pool, v_pool, window_indptr, window_indices, sm_scale, lse=None,
                                       queries_per_request=1):
@@ -194,14 +207,10 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
     if n != b * queries_per_request:
         raise ValueError(f"q's {n} rows are not {queries_per_request} queries per request")
     group = hq // hkv
-    # one query per program pads its heads to 16 rows (tl.dot's least); a tile of queries fills them
-    query_block = 1 if queries_per_request == 1 else min(TILE_QUERY_BLOCK, triton.next_power_of_2(queries_per_request))
-    group_pad = max(triton.next_power_of_2(group), triton.cdiv(16, query_block))
-    chunks_per_block = max(1, 64 // chunk)
-    programs = b * hkv * triton.cdiv(queries_per_request, query_block)
+    query_block, group_pad = program_rows(queries_per_request, group)
     if splits is None:
-        blocks = triton.cdiv(outlier_blocks.shape[2], chunks_per_block) + triton.cdiv(entries.shape[2], chunks_per_block)
-        splits = key_splits(programs, blocks, q.device)
+        splits = default_key_splits(b, hkv, queries_per_request, outlier_blocks.shape[2], entries.shape[2], chunk,
+                                    q.device)
     if splits > 1:  # partial outputs and log-sum-exps per split, merged below
         part_out = torch.empty(splits, n, hq, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(splits, n, hq, dtype=torch.float32, device=q.device)
@@ -215,7 +224,7 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
         scratch_pages.stride(0), entries.stride(0), entries.stride(1),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), dest.stride(-3), dest.stride(-2),
         queries_per_request, GROUP=group, GROUP_PAD=group_pad, QUERY_BLOCK=query_block, HEAD_DIM=d, CHUNK=chunk,
-        CHUNKS_PER_BLOCK=chunks_per_block, BLOCK_W=32, STORE_LSE=lse is not None or splits > 1, SPLITS=splits)
+        CHUNKS_PER_BLOCK=chunks_per_key_block(chunk), BLOCK_W=32, STORE_LSE=lse is not None or splits > 1, SPLITS=splits)
     if splits > 1:
         _merge_splits_kernel[(n * hq,)](part_out, part_lse, out, part_lse if lse is None else lse, n * hq, hq,
                                         out.stride(0), out.stride(1), SPLITS=splits,
@@ -244,6 +253,15 @@ def _merge_splits_kernel(PART_OUT, PART_LSE, O_OUT, LSE, ROWS, HEADS, stride_ob,
     tl.store(O_OUT + row.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(O_OUT.dtype.element_ty))
     if STORE_LSE:
         tl.store(LSE + r, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total))))
+
+
+def default_key_splits(requests: int, hkv: int, queries_per_request: int, num_outliers: int, num_entries: int,
+                       chunk: int, device: torch.device) -> int:
+    """The splits `sparse_decode_attention` takes for a call of these shapes (see `key_splits`)."""
+    query_block, _ = program_rows(queries_per_request, 1)
+    per_block = chunks_per_key_block(chunk)
+    programs = requests * hkv * triton.cdiv(queries_per_request, query_block)
+    return key_splits(programs, triton.cdiv(num_outliers, per_block) + triton.cdiv(num_entries, per_block), device)
 
 
 MIN_BLOCKS_PER_SPLIT = 4  # a split's least work: its fixed cost (q, output, merge) is a few blocks'

@@ -102,6 +102,13 @@ def gram(k_pre: torch.Tensor) -> torch.Tensor:
         return x.T @ x
 
 
+def svd_spectrum(k_pre: torch.Tensor, rank_cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(squared singular values [rank_cap], float64; right singular vectors [rank_cap, dim]; their
+    total, all squared singular values) of k_pre [s, dim]: the paper's truncated SVD."""
+    _, s, vecs = torch.linalg.svd(k_pre.float(), full_matrices=False)
+    return s[:rank_cap].double() ** 2, vecs[:rank_cap], (s.double() ** 2).sum()
+
+
 def spectrum_of_grams(grams: torch.Tensor, rank_cap: int, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(energies [..., w] in row order, orthonormal rows [..., w, dim]) of Gram matrices, w = rank_cap:
     eigh (exact, sorted) or subspace iteration (see `top_subspace`)."""
@@ -140,8 +147,7 @@ def low_rank_basis(k_pre: torch.Tensor, max_rank: int, energy: float | None = No
     """
     rank_cap = min(max_rank, k_pre.shape[1])
     if method == "svd":
-        _, s, vecs = torch.linalg.svd(k_pre.float(), full_matrices=False)
-        energies, rows, total = s[:rank_cap].double() ** 2, vecs[:rank_cap], (s.double() ** 2).sum()
+        energies, rows, total = svd_spectrum(k_pre, rank_cap)
     elif method in LOWRANK_METHODS:
         g = gram(k_pre)
         (energies, rows), total = spectrum_of_grams(g, rank_cap, method), g.diagonal().sum()
@@ -197,9 +203,7 @@ class SegmentCompression:
         pool, seg, i = self.pool, self.seg, self.index[layer]
         k_pre = self._pre_rope_keys(k_post)
         if self.svd:
-            _, s, vecs = torch.linalg.svd(k_pre, full_matrices=False)
-            self.energies[i], self.rows[i] = s[:self.rank_cap].double() ** 2, vecs[:self.rank_cap]
-            self.totals[i] = (s.double() ** 2).sum()
+            self.energies[i], self.rows[i], self.totals[i] = svd_spectrum(k_pre, self.rank_cap)
         else:
             self.grams[i] = gram(k_pre)
         c, h, d = pool.chunk_size, pool.num_kv_heads, pool.head_dim

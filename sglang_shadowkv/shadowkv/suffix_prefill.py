@@ -249,16 +249,16 @@ class SuffixPrefill:
         two-pass kernel on the GPU (kernels/landmark_scores.py); the reference, a few requests at a
         time within WORK_BYTES, elsewhere."""
         pool = self.decoder.pool
-        args = (pool.landmarks[layer], rnd.chunk_slots, pool.selectable[layer], qt.shape[-1] ** -0.5,
-                None if pool.landmark_scale is None else pool.landmark_scale[layer])
+        r, t, hq, d = qt.shape
+        landmarks, selectable = pool.landmarks[layer], pool.selectable[layer]
+        scale = None if pool.landmark_scale is None else pool.landmark_scale[layer]
         if self.use_triton:
-            masses = ls.tile_landmark_mass(qt, rnd.q_valid, *args)
+            masses = ls.tile_landmark_mass(qt, rnd.q_valid, landmarks, rnd.chunk_slots, selectable, d ** -0.5, scale)
         else:
-            r, t, hq, _ = qt.shape
             n = rnd.chunk_slots.shape[1]
-            per_request = t * hq * n * 4 + n * pool.num_kv_heads * qt.shape[-1] * 4  # probabilities, landmarks
-            masses = torch.cat([ls.tile_landmark_mass_reference(qt[a:b], rnd.q_valid[a:b], args[0],
-                                                                rnd.chunk_slots[a:b], *args[2:])
+            per_request = t * hq * n * 4 + n * pool.num_kv_heads * d * 4  # probabilities, landmarks
+            masses = torch.cat([ls.tile_landmark_mass_reference(qt[a:b], rnd.q_valid[a:b], landmarks,
+                                                                rnd.chunk_slots[a:b], selectable, d ** -0.5, scale)
                                 for a, b in _groups(r, per_request)])
         return self.decoder.select(masses, rnd.chunk_slots, rnd.budgets, rnd.top_k)
 
