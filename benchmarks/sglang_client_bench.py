@@ -39,8 +39,9 @@ QUESTION_TOKENS = 64
 METRICS = ("duration", "completed", "output_throughput", "total_throughput", "median_ttft_ms", "p90_ttft_ms",
            "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_e2e_latency_ms", "p99_e2e_latency_ms",
            "total_input_tokens", "total_output_tokens")
-COUNTERS = ("prefill_tokens", "cached_tokens", "decode_steps", "dense_prefix_hits", "reprefilled_tokens", "compressions",
-            "compressed_requests", "compressed_prefix_hits", "demotions", "demoted_tokens")
+COUNTERS = ("prefill_tokens", "cached_tokens", "decode_steps", "prefill_steps", "decode_only_step_ms", "prefill_step_ms", "dense_prefix_hits", "reprefilled_tokens", "compressions",
+            "compressed_requests", "compressed_prefix_hits", "demotions", "demoted_tokens", "gpu_value_loads",
+            "gpu_value_drops")
 
 
 def client_args(workload: dict, url: str, model: str, tokenizer: str, output_file: str) -> list[str]:
@@ -57,7 +58,8 @@ def server_counters(url: str) -> dict:
     info = httpx.get(url + "/get_server_info", timeout=60).json()
     out = {k: info["stats"].get(k) for k in COUNTERS if k in info["stats"]}
     graphs = info["steps"]["cuda_graph"] or {}
-    out.update(eager_steps=info["steps"]["eager_steps"], graph_replays=graphs.get("replays", 0))
+    out.update(eager_steps=info["steps"]["eager_steps"], graph_replays=graphs.get("replays", 0),
+               graphs=graphs.get("graphs", 0), graph_capture_seconds=graphs.get("capture_seconds", 0.0))
     if info.get("shadowkv"):
         out.update({k: info["shadowkv"][k] for k in COUNTERS if k in info["shadowkv"]})
         out["chunk_cache"] = info["shadowkv"]["chunk_cache"]
@@ -92,7 +94,7 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
             result["workloads"][name] = {
                 "client_args": cargs, "returncode": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1),
                 **{k: client.get(k) for k in METRICS},
-                "server": {k: (after[k] - before[k]) if isinstance(after.get(k), int) else after.get(k)
+                "server": {k: round(after[k] - before[k], 2) if isinstance(after.get(k), (int, float)) else after.get(k)
                            for k in after},
                 "client_tail": proc.stdout[-1500:] if proc.returncode else "",
                 "client_stderr_tail": proc.stderr[-1500:] if proc.returncode else ""}

@@ -183,3 +183,22 @@ def test_engine_arguments_are_checked():
         Engine(attention="sparse")
     with pytest.raises(ValueError, match="page_size"):
         Engine(page_size=0)
+
+
+def test_step_time_is_booked_to_decode_only_steps_and_steps_with_prompt_chunks(engine):
+    """server_info's step clock: every step's time from its launch to the next step (or to going
+    idle), by kind; it adds up to no more than the calls took, and an idle wait is no step's."""
+    import time
+
+    before = engine.get_server_info()["stats"]
+    wall = 0.0
+    for ids, new in (([[5] * 8, [7] * 6], 3), ([6] * 5, 1)):
+        start = time.perf_counter()
+        engine.generate(input_ids=ids, sampling_params={"max_new_tokens": new, "ignore_eos": True})
+        wall += time.perf_counter() - start
+        time.sleep(0.5)  # idle: booked to nothing
+    after = engine.get_server_info()["stats"]
+    delta = {k: after[k] - before[k] for k in ("decode_steps", "prefill_steps", "decode_only_step_ms", "prefill_step_ms")}
+    assert delta["prefill_steps"] >= 2 and delta["decode_steps"] >= 2
+    assert delta["decode_only_step_ms"] > 0 and delta["prefill_step_ms"] > 0
+    assert delta["decode_only_step_ms"] + delta["prefill_step_ms"] <= 1000 * wall + 5

@@ -211,3 +211,27 @@ def test_every_page_and_chunk_is_owned_once(operations, compress_choices):
         release(r["entries"][r["borrowed"]:])
     assert tree.flush()
     assert pool.num_free == pool.capacity - 1 and store.free_chunks == store.chunk_capacity and not store.live
+
+
+def test_lent_pages_count_as_free_and_an_allocation_takes_them_back():
+    """Pages lent to a cache (ShadowKV's GPU values) are free to every caller: an allocation beyond
+    the unused pages asks the reclaim hook for the difference; without a hook nothing is lent."""
+    pool = PagedKVPool(11, 2, 1, 1, 2, dtype=__import__("torch").float32, device="cpu")  # 10 pages
+    assert pool.lend(3) is None  # nobody could take them back
+    loans: list[list[int]] = []
+
+    def reclaim(n: int) -> None:
+        while n > 0:
+            pages = loans.pop(0)
+            pool.give_back(pages)
+            n -= len(pages)
+
+    pool.reclaim = reclaim
+    loans += [pool.lend(3), pool.lend(2)]
+    assert pool.num_free == 10 and pool.num_unused == 5 and pool.lent == 5
+    assert pool.lend(6) is None  # only unused pages are lent
+    taken = pool.alloc(6)  # one more than the unused: the oldest loan (3 pages) comes back
+    assert len(set(taken)) == 6 and pool.lent == 2 and pool.num_unused == 2 and pool.num_free == 4
+    assert not set(taken) & set(loans[0]) and pool.alloc(5) is None and pool.lent == 2
+    pool.free(taken)
+    assert pool.num_free == 10

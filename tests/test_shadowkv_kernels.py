@@ -201,6 +201,41 @@ def test_gather_values(chunk_size, head_dim, int8):
     assert_writes_only_jobs(want, blocks, poisoned, scratch_pages, rows, jobs)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_gather_values_reads_resident_chunks_from_the_gpu_copy(int8):
+    """Chunks with a home in the pool's pages are read there (K or V memory by the home's low
+    bit), the others from the host pool; the copies hold different data here, so a chunk read
+    from the wrong place shows."""
+    gen = torch.Generator().manual_seed(7 + int8)
+    batch, hkv, entries, slots, c, d, res_blocks = 3, 2, 6, 40, 8, 32, 30
+
+    def chunks(n):
+        x = torch.randn(n, hkv, c, d, generator=gen)
+        return torch.randint(-127, 128, x.shape, generator=gen, dtype=torch.int8) if int8 else x
+
+    host, res_k, res_v = chunks(slots), chunks(res_blocks).to(DEVICE), chunks(res_blocks).to(DEVICE)
+    scale = (torch.rand(slots, hkv, generator=gen) + 0.01).to(DEVICE) if int8 else None
+    home = torch.full((slots,), -1, dtype=torch.int32)
+    resident = torch.randperm(slots, generator=gen)[:slots // 2]
+    home[resident] = torch.randperm(2 * res_blocks, generator=gen)[:len(resident)].int()
+    jobs = _jobs(gen, batch, hkv, entries, slots).to(DEVICE)
+    rows = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
+    pages = torch.arange(1, 1 + 3 * entries, dtype=torch.int32).view(3, entries).to(DEVICE)
+    blocks = torch.zeros(64 * hkv, c, d, device=DEVICE)
+    host_slot = torch.randperm(slots, generator=gen).int().to(DEVICE)
+    args = (host.to(DEVICE), host_slot, jobs)
+    res = (home.to(DEVICE), res_k, res_v)
+    got = gather_values(*args, blocks.clone(), pages, rows, scale, resident=res)
+    want = gather_values_reference(*args, blocks.clone(), pages, rows, scale, resident=res)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for b, h, e in (jobs >= 0).nonzero().tolist():  # each job's source, spelled out
+        slot, at = int(jobs[b, h, e]), int(home[int(jobs[b, h, e])])
+        src = host[int(host_slot[slot])] if at < 0 else (res_k, res_v)[at % 2][at // 2]
+        expect = src[h].float().to(DEVICE) * (1 if scale is None else scale[slot, h])
+        block = int(pages[int(rows[b]), e]) * hkv + h
+        torch.testing.assert_close(want[block], expect.to(want.dtype), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("chunk_size,head_dim", [(8, 64), (4, 32)])
 @pytest.mark.parametrize("queries", [1, 5, 20])  # per request: a decode query, or a suffix tile's

@@ -375,3 +375,38 @@ def test_admission_waits_while_the_pool_cannot_hold_a_scratch_row(tiny_tier, mon
     assert req.finished and len(req.output_ids) == 4 and req.shadowkv.layout is not None
     assert req.cached_tokens >= DOC_TOKENS - 8  # it waited for the compressed document, not around it
     sched.run_when_idle()
+
+
+def test_a_compressed_document_keeps_its_values_on_the_gpu_while_the_pool_can_spare_pages(tiny_tier, monkeypatch):
+    """Compressed with room to spare, a document's values are also copied into pages lent by the
+    dense pool; a question on it reads them there (with its host copy spoiled it answers as
+    before, and differently once the GPU copy is given back); an allocation that needs the lent
+    pages takes them back, and the pool's accounting holds throughout."""
+    sched = tiny_tier.scheduler
+    tier, store = sched.cache.compressed, sched.cache.compressed.store
+    ask = {"max_new_tokens": 8, "temperature": 0}
+
+    def fresh_document(spoil_host: bool):
+        """Document 23 compressed again from an empty cache (the same state each time), its segment."""
+        doc = compressed_document(tiny_tier, monkeypatch, 23)
+        seg = next(iter(store.live.values()))
+        assert seg.value_pages and sched.pool.lent == len(seg.value_pages) == store.value_pages_for(seg.num_chunks)
+        for layer in range(store.num_layers if spoil_host else 0):
+            for first, count, _ in seg.host_runs:
+                store.host_v[layer][first:first + count] = 1e4
+        return doc, seg
+
+    doc, _ = fresh_document(spoil_host=False)
+    shadowkv = tiny_tier.get_server_info()["shadowkv"]
+    assert shadowkv["gpu_value_loads"] >= 1 and shadowkv["tiers"]["compressed_gpu_value_bytes"] > 0
+    want = tiny_tier.generate(input_ids=doc + question(3), sampling_params=ask)["output_ids"]
+    doc, _ = fresh_document(spoil_host=True)  # only the GPU copy is right
+    assert tiny_tier.generate(input_ids=doc + question(3), sampling_params=ask)["output_ids"] == want
+    doc, seg = fresh_document(spoil_host=True)
+    drops = tier.counters.gpu_value_drops
+    taken = sched.pool.alloc(sched.pool.num_unused + 1)  # one page more than the unused: a loan comes back
+    assert tier.counters.gpu_value_drops == drops + 1 and not seg.value_pages and sched.pool.lent == 0
+    sched.pool.free(taken)
+    sched.run_when_idle()  # the integrity check: whole
+    assert tiny_tier.generate(input_ids=doc + question(3), sampling_params=ask)["output_ids"] != want
+    sched.run_when_idle()

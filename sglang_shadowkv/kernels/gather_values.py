@@ -8,6 +8,12 @@ work. Jobs and where they land (blocks_v: the pool's V memory as [c, D] blocks, 
 scratch_pages) are as in `rebuild_keys` (-1 = cache hit). An int8 host pool comes with a scale per
 chunk slot and KV head (on the GPU); the copy multiplies by it on the way into the scratch, so
 PCIe carries one byte per value.
+
+`resident`: some compressed chunks also have a copy of their (host-format) values in the dense
+pool's pages (ShadowKVPool's GPU values): resident = (home, k_blocks, v_blocks), where home[slot]
+>= 0 names block home >> 1 of k_blocks (home even) or v_blocks (odd), [blocks, Hkv, c, D] views of
+a layer's K and V memory. Those chunks are read there, at HBM speed, instead of over PCIe; the
+copy equals the host's bit for bit, so the result does not depend on where a chunk was read.
 """
 
 from __future__ import annotations
@@ -19,14 +25,21 @@ import triton.language as tl
 from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_jobs
 
 
-def gather_values_reference(host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows, scale=None):
-    """Writes the scratch entry (b, h, e) in blocks_v = host_v[host_slot[jobs[b, h, e]], h] (times
-    scale[that chunk slot, h] when given) for every job >= 0; returns blocks_v."""
+def gather_values_reference(host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows, scale=None,
+                            resident=None):
+    """Writes the scratch entry (b, h, e) in blocks_v = host_v[host_slot[jobs[b, h, e]], h] (or its
+    resident copy; times scale[that chunk slot, h] when given) for every job >= 0; returns blocks_v."""
     slots, h_idx, blocks = scratch_jobs(jobs, scratch_pages, scratch_rows)
     if slots.numel() == 0:
         return blocks_v
     host = host_slot[slots].long()
     chunks = host_v[host.to(host_v.device), h_idx.to(host_v.device)].to(blocks_v.device)
+    if resident is not None:
+        home, k_blocks, v_blocks = resident
+        at = home[slots].long()
+        for side, memory in enumerate((k_blocks, v_blocks)):
+            mine = (at >= 0) & (at % 2 == side)
+            chunks[mine] = memory[at[mine] // 2, h_idx[mine]]
     if scale is not None:
         chunks = chunks.float() * scale[slots, h_idx][:, None, None]
     blocks_v[blocks] = chunks.to(blocks_v.dtype)
@@ -34,12 +47,13 @@ def gather_values_reference(host_v, host_slot, jobs, blocks_v, scratch_pages, sc
 
 
 @triton.jit
-def _gather_values_kernel(HOST, HOST_SLOT, JOBS, OUT, SCRATCH_PAGES, ROWS, SCALE, NUM_JOBS, stride_hs, stride_hh,
-                          stride_jb, stride_jh, stride_ob, stride_sp, stride_ss,
+def _gather_values_kernel(HOST, HOST_SLOT, JOBS, OUT, SCRATCH_PAGES, ROWS, SCALE, HOME, RES_K, RES_V, NUM_JOBS,
+                          stride_hs, stride_hh, stride_jb, stride_jh, stride_ob, stride_sp, stride_ss,
                           HEADS: tl.constexpr, ENTRIES: tl.constexpr, NUMEL: tl.constexpr,
-                          BLOCK: tl.constexpr, SCALED: tl.constexpr):
+                          BLOCK: tl.constexpr, SCALED: tl.constexpr, RESIDENT: tl.constexpr):
     """A persistent grid: each program walks jobs pid, pid + P, ... so the copy keeps enough reads
-    in flight to fill PCIe while leaving most SMs free for the key rebuild on the other stream."""
+    in flight to fill PCIe while leaving most SMs free for the key rebuild on the other stream.
+    Resident blocks have the host pool's strides."""
     offs = tl.arange(0, BLOCK)
     valid = offs < NUMEL
     for i in range(tl.program_id(0), NUM_JOBS, tl.num_programs(0)):
@@ -49,6 +63,11 @@ def _gather_values_kernel(HOST, HOST_SLOT, JOBS, OUT, SCRATCH_PAGES, ROWS, SCALE
         slot = tl.load(JOBS + b * stride_jb + h * stride_jh + e)
         if slot >= 0:
             src = HOST + tl.load(HOST_SLOT + slot).to(tl.int64) * stride_hs + h * stride_hh + offs
+            if RESIDENT:
+                home = tl.load(HOME + slot).to(tl.int64)
+                if home >= 0:
+                    at = (home >> 1) * stride_hs + h * stride_hh + offs
+                    src = tl.where((home & 1) == 0, RES_K + at, RES_V + at)
             row = tl.load(ROWS + b).to(tl.int64)
             dst = OUT + scratch_block(SCRATCH_PAGES, stride_sp, row, e, h, HEADS) * stride_ob + offs
             chunk = tl.load(src, mask=valid)
@@ -57,7 +76,7 @@ def _gather_values_kernel(HOST, HOST_SLOT, JOBS, OUT, SCRATCH_PAGES, ROWS, SCALE
             tl.store(dst, chunk.to(OUT.dtype.element_ty), mask=valid)
 
 
-def gather_values(host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows, scale=None,
+def gather_values(host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows, scale=None, resident=None,
                   programs: int | None = None):
     """Triton version of `gather_values_reference`; host_v may be pinned CPU memory (read via UVA).
 
@@ -77,10 +96,15 @@ def gather_values(host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows
             if jobs.is_cuda else 4
     if scale is not None and scale.stride(1) != 1:
         raise ValueError("scale must be contiguous over KV heads")
+    home, res_k, res_v = resident if resident is not None else (jobs, host_v, host_v)  # (unread if None)
+    if resident is not None and any(r.stride()[:2] != host_v.stride()[:2] or r.dtype != host_v.dtype
+                                    for r in (res_k, res_v)):
+        raise ValueError("resident value blocks must have the host pool's dtype and [Hkv, c, D] strides")
     _gather_values_kernel[(min(programs, jobs.numel()),)](
         host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows,
-        jobs if scale is None else scale, jobs.numel(),  # (SCALE unread if unscaled)
+        jobs if scale is None else scale, home, res_k, res_v, jobs.numel(),  # (SCALE unread if unscaled)
         host_v.stride(0), host_v.stride(1), jobs.stride(0), jobs.stride(1),
         blocks_v.stride(0), scratch_pages.stride(0), 0 if scale is None else scale.stride(0),
-        HEADS=hkv, ENTRIES=e, NUMEL=numel, BLOCK=triton.next_power_of_2(numel), SCALED=scale is not None)
+        HEADS=hkv, ENTRIES=e, NUMEL=numel, BLOCK=triton.next_power_of_2(numel), SCALED=scale is not None,
+        RESIDENT=resident is not None)
     return blocks_v

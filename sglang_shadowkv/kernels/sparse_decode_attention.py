@@ -107,14 +107,16 @@ def _fold_chunks(q, BLOCKS_K, BLOCKS_V, block, valid, token_of, m_i, l_i, acc, s
     return _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale)
 
 
-@triton.jit
+# SPLITS and STORE_LSE are run-time arguments, not specialised: one compiled kernel serves every
+# split count, so capturing the decode graphs of all batch sizes compiles it once
+@triton.jit(do_not_specialize=["SPLITS", "STORE_LSE"])
 def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, ENTRIES, K_POOL, V_POOL,
                           W_INDPTR, W_INDICES, O_OUT, LSE, sm_scale, NUM_OUT, NUM_ENT, OUT_SPLIT_STRIDE,
                           stride_qb, stride_qh, stride_block, stride_olb, stride_olh, stride_sp,
                           stride_eb, stride_eh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
-                          QUERIES, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERY_BLOCK: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PER_BLOCK: tl.constexpr,
-                          BLOCK_W: tl.constexpr, STORE_LSE: tl.constexpr, SPLITS: tl.constexpr):
+                          QUERIES, STORE_LSE, SPLITS, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                          QUERY_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+                          CHUNKS_PER_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -177,7 +179,7 @@ def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, 
 
 
 @triton.jit
-def _split_range(count, split, SPLITS: tl.constexpr, STEP: tl.constexpr):
+def _split_range(count, split, SPLITS, STEP: tl.constexpr):
     """[lo, hi) of split `split` of range(count), in whole steps."""
     per = tl.cdiv(tl.cdiv(count, SPLITS), STEP) * STEP
     lo = tl.minimum(split * per, count)
@@ -211,6 +213,8 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
     if splits is None:
         splits = default_key_splits(b, hkv, queries_per_request, outlier_blocks.shape[2], entries.shape[2], chunk,
                                     q.device)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     if splits > 1:  # partial outputs and log-sum-exps per split, merged below
         part_out = torch.empty(splits, n, hq, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(splits, n, hq, dtype=torch.float32, device=q.device)
@@ -223,19 +227,18 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
         q.stride(0), q.stride(1), blocks_k.stride(0), outlier_blocks.stride(0), outlier_blocks.stride(1),
         scratch_pages.stride(0), entries.stride(0), entries.stride(1),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), dest.stride(-3), dest.stride(-2),
-        queries_per_request, GROUP=group, GROUP_PAD=group_pad, QUERY_BLOCK=query_block, HEAD_DIM=d, CHUNK=chunk,
-        CHUNKS_PER_BLOCK=chunks_per_key_block(chunk), BLOCK_W=32, STORE_LSE=lse is not None or splits > 1, SPLITS=splits)
+        queries_per_request, lse is not None or splits > 1, splits, GROUP=group, GROUP_PAD=group_pad,
+        QUERY_BLOCK=query_block, HEAD_DIM=d, CHUNK=chunk, CHUNKS_PER_BLOCK=chunks_per_key_block(chunk), BLOCK_W=32)
     if splits > 1:
         _merge_splits_kernel[(n * hq,)](part_out, part_lse, out, part_lse if lse is None else lse, n * hq, hq,
-                                        out.stride(0), out.stride(1), SPLITS=splits,
-                                        SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=d,
-                                        STORE_LSE=lse is not None)
+                                        out.stride(0), out.stride(1), splits, lse is not None,
+                                        SPLITS_PAD=MAX_SPLITS, HEAD_DIM=d)
     return out
 
 
-@triton.jit
-def _merge_splits_kernel(PART_OUT, PART_LSE, O_OUT, LSE, ROWS, HEADS, stride_ob, stride_oh, SPLITS: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr):
+@triton.jit(do_not_specialize=["SPLITS", "STORE_LSE"])
+def _merge_splits_kernel(PART_OUT, PART_LSE, O_OUT, LSE, ROWS, HEADS, stride_ob, stride_oh, SPLITS, STORE_LSE,
+                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One (query row, head): the splits' partial outputs [S, rows·heads, D] weighted by their
     share exp(lse_s - lse) of the softmax; a row no split attended stays 0 with lse -inf."""
     r = tl.program_id(0)
@@ -265,19 +268,19 @@ def default_key_splits(requests: int, hkv: int, queries_per_request: int, num_ou
 
 
 MIN_BLOCKS_PER_SPLIT = 4  # a split's least work: its fixed cost (q, output, merge) is a few blocks'
+MAX_SPLITS = 16
 
 
 def key_splits(programs: int, key_blocks: int, device: torch.device) -> int:
     """How many ways to split each program's key blocks: none once the programs fill half the
     SMs (on the H100, 3 splits of 128 programs gained nothing for a decode batch and lost 18% for
     4 suffix tiles); else enough for two programs per SM, each split at least
-    MIN_BLOCKS_PER_SPLIT blocks, at most 16, rounded down to a power of two (each count is a kernel
-    Triton compiles); 1 on a CPU. Measured there (benchmarks/bench_kernels.py key_splits, 9
-    splits): a decode batch of 1 took 25 µs a layer instead of 103, one 64-query tile 68 instead
-    of 214."""
+    MIN_BLOCKS_PER_SPLIT blocks, at most MAX_SPLITS, rounded down to a power of two; 1 on a CPU.
+    Measured there (benchmarks/bench_kernels.py key_splits, 9 splits): a decode batch of 1 took
+    25 µs a layer instead of 103, one 64-query tile 68 instead of 214."""
     if device.type != "cuda" or 2 * programs > _sm_count(device):
         return 1
-    wanted = max(1, min(16, triton.cdiv(2 * _sm_count(device), programs), key_blocks // MIN_BLOCKS_PER_SPLIT))
+    wanted = max(1, min(MAX_SPLITS, triton.cdiv(2 * _sm_count(device), programs), key_blocks // MIN_BLOCKS_PER_SPLIT))
     return 1 << (wanted.bit_length() - 1)
 
 

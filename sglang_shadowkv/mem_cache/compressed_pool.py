@@ -6,10 +6,17 @@ sparse decoder takes scratch pages from the same allocator while compressed requ
 A segment is a chunk-aligned span of one prompt compressed with one basis per layer; its state
 is addressed by chunk slot, so kernels serve a whole batch with one launch. One slot page is kept
 zero and never handed out: `null_slot`, the padding target of chunk tables (never selectable).
+
+GPU values: a compressed segment's values live in the host pool, and, while the dense pool has
+pages to spare, also in pages lent by it (load_values): a page's K and V memory hold
+`values_per_page` chunks of every layer in the host format, bit for bit the host's, which the
+value gather reads at HBM speed instead of over PCIe. Lent pages count as free: an allocation that
+needs them takes them back (drop_values), and the segment is read from the host again.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +38,8 @@ class Segment:
     # per layer, filled by compression: 0-dim device tensors until `settle_ranks` reads them at once
     ranks: list = field(default_factory=list)
     host_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first host slot, count, chunk offset)
+    value_pages: list[int] = field(default_factory=list)  # pages lent for its GPU values (none: host only)
+    last_use: int = 0  # when it was last compressed or matched (which GPU values are given back first)
     refs: int = 0  # live ChunkRefs (radix tree entries and running requests'); freed at 0
     unlocked_tree_refs: int = 0  # of those, the ones in radix-tree nodes no request holds
     droppable: bool = False  # every reference is an unlocked tree entry: evicting frees its pages
@@ -118,7 +127,15 @@ class ShadowKVPool:
             kv.k_buffers[layer][self.null_page * c:(self.null_page + 1) * c].zero_()
             kv.v_buffers[layer][self.null_page * c:(self.null_page + 1) * c].zero_()
         self.elt, self.host_elt = element_size(self.dtype), self.host_v[0].element_size()
+        # GPU values: each layer's K and V memory as [blocks, Hkv, c, D] in the host format; chunk
+        # slot s is read from block value_home[s] >> 1 of the K (even) or V (odd) view, -1: host only
+        half = self.elt // self.host_elt
+        self.values_per_page = 2 * half
+        self.resident_k = [buf.view(-1).view(value_dtype).view(pages * half, h, c, d) for buf in kv.k_buffers]
+        self.resident_v = [buf.view(-1).view(value_dtype).view(pages * half, h, c, d) for buf in kv.v_buffers]
+        self.value_home = torch.full((self.num_slots,), -1, **ints)
         self.d2h_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.h2d_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # GPU values
         self.live: dict[int, Segment] = {}  # allocated segments by id
 
     # ---- sizes ---------------------------------------------------------------------------------
@@ -188,6 +205,7 @@ class ShadowKVPool:
         return freed
 
     def free_segment(self, seg: Segment) -> None:
+        self.drop_values(seg)
         del self.live[seg.seg_id]
         self.kv.free(seg.pages)
         self._free_host.extend(reversed(seg.host_slots))
@@ -286,6 +304,57 @@ class ShadowKVPool:
         if self.d2h_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.d2h_stream)
 
+    # ---- GPU values ----------------------------------------------------------------------------
+    def value_pages_for(self, num_chunks: int) -> int:
+        return -(-num_chunks // self.values_per_page)
+
+    def resident(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(value_home, K blocks, V blocks) of a layer: the value gather's `resident` argument."""
+        return self.value_home, self.resident_k[layer], self.resident_v[layer]
+
+    def load_values(self, seg: Segment) -> bool:
+        """Copy a compressed segment's values from the host pool into pages lent by the dense pool
+        (False, nothing taken, when too few pages are unused): one host-to-device copy per run of
+        host slots and layer. On a GPU they go on a stream of their own, overlapping the next
+        steps; each chunk's home is written after its values, so a step reads it from the host
+        until then (drop_values orders the pages' next owner after the copies)."""
+        if seg.value_pages:
+            return True
+        n, vpp = seg.num_chunks, self.values_per_page
+        pages = self.kv.lend(self.value_pages_for(n))
+        if pages is None:
+            return False
+        half, at = vpp // 2, torch.arange(n) % vpp
+        block = torch.tensor(pages, dtype=torch.int64).repeat_interleave(vpp)[:n] * half + at % half
+        side = (at >= half).long()  # 0: K memory, 1: V memory
+        self.wait_host_writes()
+        if self.h2d_stream is not None:
+            self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.h2d_stream) if self.h2d_stream is not None else contextlib.nullcontext():
+            in_k = (side == 0).nonzero().flatten().to(self.device, non_blocking=True)
+            in_v = (side == 1).nonzero().flatten().to(self.device, non_blocking=True)
+            k_blocks = block[side == 0].to(self.device, non_blocking=True)
+            v_blocks = block[side == 1].to(self.device, non_blocking=True)
+            for layer in range(self.num_layers):
+                values = torch.cat([self.host_v[layer][first:first + count].to(self.device, non_blocking=True)
+                                    for first, count, _ in seg.host_runs])  # runs are in chunk order
+                self.resident_k[layer][k_blocks] = values[in_k]
+                self.resident_v[layer][v_blocks] = values[in_v]
+            self.value_home[seg.chunk_slots] = (block * 2 + side).to(self.device, torch.int32, non_blocking=True)
+        seg.value_pages = pages
+        return True
+
+    def drop_values(self, seg: Segment) -> int:
+        """Give a segment's value pages back to the dense pool (its values are read from the host
+        from the next step on); returns the pages given back."""
+        pages, seg.value_pages = seg.value_pages, []
+        if pages:
+            if self.h2d_stream is not None:  # the pages' next owner writes after the copies into them
+                torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
+            self.value_home[seg.chunk_slots] = -1
+            self.kv.give_back(pages)
+        return len(pages)
+
     # ---- accounting ----------------------------------------------------------------------------
     def segment_bytes(self, seg: Segment, num_chunks: int | None = None) -> dict[str, int]:
         """GPU bytes (its pages, or the share of num_chunks of its chunks: a view of it, with its
@@ -301,7 +370,7 @@ class ShadowKVPool:
 
     def held_pages(self) -> list[int]:
         """Pages of the dense pool that hold compressed state: the null page and every live segment's."""
-        return [self.null_page, *(p for seg in self.live.values() for p in seg.pages)]
+        return [self.null_page, *(p for seg in self.live.values() for p in seg.pages + seg.value_pages)]
 
     def capacity_bytes(self) -> dict[str, int]:
         live = [self.segment_bytes(seg) for seg in self.live.values()]
@@ -309,6 +378,8 @@ class ShadowKVPool:
                 "segment_gpu_bytes": sum(b["gpu_compressed_bytes"] for b in live),
                 "segment_host_bytes": sum(b["host_bytes"] for b in live),
                 "segment_pages": sum(len(seg.pages) for seg in self.live.values()),
+                "gpu_value_pages": sum(len(seg.value_pages) for seg in self.live.values()),
+                "gpu_value_segments": sum(bool(seg.value_pages) for seg in self.live.values()),
                 "chunk_slots": self.chunk_capacity, "free_chunk_slots": self.free_chunks,
                 "free_segments": self.free_segments, "slots_per_page": self.layout.slots_per_page}
 

@@ -4,9 +4,15 @@ Pages hold `page_size` consecutive tokens of one request; token i of a request l
 pages[i // page_size] * page_size + i % page_size. Every request's KV layout is therefore a page
 list, which is what FlashInfer's paged kernels and the page-aligned radix cache both want.
 Page 0 is never handed out: its slots are the padding target for unused table entries.
+
+Free pages may be lent to a cache that can give them back at once (ShadowKV's GPU copies of
+compressed values): lent pages count as free, and an allocation that needs them first asks the
+`reclaim` hook to give enough back, so callers never see the loan.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -29,6 +35,8 @@ class PagedKVPool:
         self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
+        self.lent = 0  # pages lent out (lend), counted as free
+        self.reclaim: Callable[[int], None] | None = None  # gives back at least n lent pages (give_back)
 
     @property
     def capacity(self) -> int:
@@ -37,6 +45,12 @@ class PagedKVPool:
 
     @property
     def num_free(self) -> int:
+        """Pages an allocation can take: the unused and the lent."""
+        return len(self._free) + self.lent
+
+    @property
+    def num_unused(self) -> int:
+        """Free pages that are not lent."""
         return len(self._free)
 
     @property
@@ -49,15 +63,33 @@ class PagedKVPool:
         return list(self._free)
 
     def alloc(self, n: int) -> list[int] | None:
-        """n free page ids, or None (nothing taken) when fewer are free."""
-        if n > len(self._free):
+        """n free page ids, or None (nothing taken) when fewer are free; lent pages are reclaimed
+        when the unused ones are too few."""
+        if n > self.num_free:
             return None
-        taken = self._free[len(self._free) - n:]
-        del self._free[len(self._free) - n:]
-        return taken[::-1]
+        if n > len(self._free):
+            self.reclaim(n - len(self._free))
+        return self._take(n)
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(pages)
+
+    def lend(self, n: int) -> list[int] | None:
+        """n unused pages for a cache that gives them back on demand (None when fewer are unused)."""
+        if n > len(self._free) or self.reclaim is None:
+            return None
+        self.lent += n
+        return self._take(n)
+
+    def give_back(self, pages: list[int]) -> None:
+        """Lent pages returned."""
+        self.lent -= len(pages)
+        self._free.extend(pages)
+
+    def _take(self, n: int) -> list[int]:
+        taken = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        return taken[::-1]
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffers[layer][slots] = k

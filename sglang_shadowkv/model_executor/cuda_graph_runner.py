@@ -40,7 +40,10 @@ from .forward_batch import StepItem
 
 logger = logging.getLogger(__name__)
 
-WARMUP_RUNS = 2  # before each capture: compile kernels and settle allocations outside the graph
+WARMUP_RUNS = 2  # before each startup capture: compile kernels and settle allocations outside the graph
+# before a capture on first use, while serving: every other request waits for it, and one run
+# compiles what is new (startup already settled the libraries' lazy state)
+FIRST_USE_WARMUP_RUNS = 1
 SUFFIX = "suffix"  # graph keys ((SUFFIX, requests, tokens each), variant): suffixes; (batch size, variant): decode
 
 
@@ -121,7 +124,7 @@ class CudaGraphRunner:
             graph = self.graphs.get(key)
             if graph is None:  # a variant captured on first use (the backend keeps startup short)
                 torch.cuda.synchronize(self.device)  # nothing else in flight while capturing
-                self._capture([key])
+                self._capture([key], FIRST_USE_WARMUP_RUNS)
                 graph = self.graphs[key]
                 write_inputs(batch)
                 backend.begin_graph_step(batch, variant)
@@ -195,13 +198,13 @@ class CudaGraphRunner:
         bs = self.bucket(len(items))
         return [(bs, self.backend.graph_variant(self._padded_batch(items, bs)))]
 
-    def _capture(self, keys: list[tuple]) -> None:
+    def _capture(self, keys: list[tuple], warmup_runs: int = WARMUP_RUNS) -> None:
         """Capture each (batch size, variant), largest first, in one memory pool: only one graph
-        runs at a time, so their intermediate tensors can share memory."""
+        runs at a time, so their intermediate tensors can share memory. Their memory is what
+        torch's allocator holds more after (the graphs' pool and the warmups' cached blocks; not
+        mem_get_info, which also moves with memory freed meanwhile)."""
         backend, dev = self.backend, self.device
-        # mem_get_info, not memory_plan.free_gpu_bytes: a capture on first use happens while serving,
-        # where that helper's gc.collect() and empty_cache() would stall the step
-        start, before = time.perf_counter(), torch.cuda.mem_get_info(dev)[0]
+        start, before = time.perf_counter(), torch.cuda.memory_reserved(dev)
         if self._pool is None:
             self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
         pool, stream = self._pool, self._stream
@@ -210,7 +213,7 @@ class CudaGraphRunner:
             backend.begin_graph_step(batch, variant)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
-                for _ in range(WARMUP_RUNS):
+                for _ in range(warmup_runs):
                     self._forward(batch, (bs, variant))
             torch.cuda.current_stream(dev).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
@@ -218,7 +221,7 @@ class CudaGraphRunner:
                 self._forward(batch, (bs, variant))
             self.graphs[(bs, variant)] = graph
         torch.cuda.synchronize(dev)
-        seconds, graph_bytes = time.perf_counter() - start, before - torch.cuda.mem_get_info(dev)[0]
+        seconds, graph_bytes = time.perf_counter() - start, torch.cuda.memory_reserved(dev) - before
         self.capture_seconds += seconds
         self.graph_bytes += graph_bytes
         logger.info("captured %d CUDA graph(s) (%s) in %.1f s, %.2f GiB; %d in all, %.1f s, %.2f GiB",

@@ -43,7 +43,8 @@ class CacheManager:
         # included: what a demotion must free for it
         self.turned_away_need = 0
         self.counters = CacheCounters()
-        self.compressed = CompressedTier(runner, self.tree, page_size) if shadowkv else None
+        self.compressed = CompressedTier(runner, self.tree, page_size,
+                                         lambda: self.pool.num_unused - self.reserved_pages) if shadowkv else None
 
     def _release_entries(self, entries: list) -> int:
         if self.compressed is not None:
@@ -99,6 +100,8 @@ class CacheManager:
             self.table.write(req.pool_row, 0, self.pool.slots_of_pages(dense, req.num_computed))
         req.reserved_pages = need
         self.reserved_pages += need
+        if plan is not None:
+            self.compressed.use_matched(match.pages)
         self._count_admission(req, match.pages)
         return True
 
@@ -227,9 +230,11 @@ class CacheManager:
         return {
             "page_size": self.page_size,
             "total_pages": self.pool.capacity,
-            "free_pages": self.pool.num_free,
+            "free_pages": self.pool.num_unused,
             "tree_pages": self.tree.total_pages,
-            "compressed_pages": compressed,  # compressed state in the pool's pages (segments, the null page)
+            # compressed state in the pool's pages (segments, their GPU values, the null page)
+            "compressed_pages": compressed,
+            "lent_pages": self.pool.lent,  # of those, GPU values: taken back at once when pages are needed
             "scratch_pages": scratch,  # running requests' chunk-cache scratch rows, in the pool's pages
             "evictable_pages": self.tree.evictable_pages,
             "running_request_pages": running_pages,

@@ -57,6 +57,7 @@ def tier_stats(tier: "CompressedTier", running: list[Req]) -> dict:
             "tiers": {"dense_tree_bytes": tier.tree.total_pages * page_bytes,
                       "compressed_gpu_bytes": pools["segment_pages"] * page_bytes,
                       "compressed_host_bytes": pools["segment_host_bytes"],
+                      "compressed_gpu_value_bytes": pools["gpu_value_pages"] * page_bytes,  # lent pages
                       "droppable_compressed_pages": tier.droppable_pages},
             "radix_cache": {"compressed_tokens": tier.tree.total_chunks * tier.cfg.chunk_size,
                             "evictable_compressed_tokens": tier.tree.evictable_chunks * tier.cfg.chunk_size},

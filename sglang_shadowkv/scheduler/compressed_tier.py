@@ -18,6 +18,12 @@ Pages: segments, and the chunk-cache scratch rows of requests that decode compre
 pages from the one dense pool (admission counts both). `droppable_pages` counts the pages of
 segments that only unlocked tree entries reference (evicting those frees them), so admission can
 count them as available beside the dense evictable pages.
+
+GPU values: a compressed segment also keeps its values in pages the pool lends
+(ShadowKVPool.load_values) when it is compressed or matched, if the pages not promised to running
+requests stay above the demotion watermark after: decoding over it then reads them from HBM, not
+over PCIe. Lent pages count as free; an allocation that needs them takes back those of the least
+recently used segments, segments no request reads first, and the host copy serves those from then on.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, Segment
 from sglang_shadowkv.mem_cache.radix_cache import RadixCache
@@ -33,7 +40,7 @@ from sglang_shadowkv.shadowkv.memory_report import request_report
 from sglang_shadowkv.shadowkv.request_state import ShadowKVReqState, build_layout
 
 from .counters import CompressionCounters
-from .demotion import Demoter
+from .demotion import HEADROOM_SHARE, Demoter
 from .request import Req
 
 logger = logging.getLogger(__name__)
@@ -53,7 +60,8 @@ class AdmissionPlan:
 
 
 class CompressedTier:
-    def __init__(self, runner: ModelRunner, tree: RadixCache, page_size: int):
+    def __init__(self, runner: ModelRunner, tree: RadixCache, page_size: int, spare_pages: Callable[[], int]):
+        """spare_pages: unused pages of the pool that no running request is promised."""
         self.cfg, self.store, self.decoder = runner.shadowkv_config, runner.compressed_pool, runner.decoder
         self.runner, self.pool, self.tree, self.page_size = runner, runner.pool, tree, page_size
         if page_size != self.cfg.chunk_size:
@@ -65,6 +73,9 @@ class CompressedTier:
         self.droppable_pages = 0
         self.policy = self.cfg.compress_policy  # the warmup sets "eager" for a moment
         self.demoter = Demoter(self) if self.policy == "tier" else None
+        self.spare_pages = spare_pages
+        self._uses = itertools.count(1)
+        self.pool.reclaim = self._give_back_values
 
     # ---- entries and their accounting ----------------------------------------------------------
     def release_entries(self, entries: list) -> int:
@@ -165,11 +176,38 @@ class CompressedTier:
                     seg.ranks)
 
     def count_compression(self, seg: Segment) -> None:
+        self._use(seg)
         seg.settle_ranks()
         self.counters.compressions += 1
         self.counters.compressed_tokens += seg.num_tokens
         self.rank_totals = [t + r for t, r in zip(self.rank_totals, seg.ranks)]
         self.last_ranks = list(seg.ranks)
+
+    # ---- GPU values ----------------------------------------------------------------------------
+    def use_matched(self, entries: list) -> None:
+        """An admitted request (its pages reserved) matched these entries: their segments were used."""
+        for seg in {id(e.segment): e.segment for e in entries if isinstance(e, ChunkRef)}.values():
+            self._use(seg)
+
+    def _use(self, seg: Segment) -> None:
+        """A segment was compressed or matched: most recently used; its values onto the GPU if the
+        pool can spare the pages and stay above the demotion watermark."""
+        seg.last_use = next(self._uses)
+        if seg.value_pages or self.cfg.disable_gpu_values:
+            return
+        room = self.spare_pages() - int(HEADROOM_SHARE * self.pool.capacity)
+        if self.store.value_pages_for(seg.num_chunks) <= room and self.store.load_values(seg):
+            self.counters.gpu_value_loads += 1
+
+    def _give_back_values(self, pages: int) -> None:
+        """The pool's reclaim hook: give back at least `pages` lent pages, from the segments no
+        request reads, least recently used first."""
+        held = [seg for seg in self.store.live.values() if seg.value_pages]
+        for seg in sorted(held, key=lambda s: (s.refs > s.unlocked_tree_refs, s.last_use)):
+            if pages <= 0:
+                return
+            pages -= self.store.drop_values(seg)
+            self.counters.gpu_value_drops += 1
 
     # ---- release ------------------------------------------------------------------------------
     def before_release(self, req: Req) -> None:

@@ -20,11 +20,16 @@ class Counters:
 
 @dataclass
 class StepCounters(Counters):
-    """The scheduler's: requests taken, tokens computed, decode steps run."""
+    """The scheduler's: requests taken, tokens computed, steps run, and where the time went: the
+    wall time from a step's launch to the next one's (what the step cost while the scheduler was
+    busy), summed over steps of decodes only and over steps with a prompt chunk."""
     requests: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    decode_steps: int = 0
+    decode_steps: int = 0  # steps with a decode (beside prompt chunks or not)
+    prefill_steps: int = 0  # steps with a prompt chunk
+    decode_only_step_ms: int = 0
+    prefill_step_ms: int = 0
 
 
 @dataclass
@@ -45,6 +50,8 @@ class CompressionCounters(Counters):
     tail_compressions: int = 0  # segments made of a finished request's long dense tail (a chat's growth)
     compressed_prefix_hits: int = 0  # requests that matched a compressed prefix
     compressed_tokens_reused: int = 0  # tokens of those prefixes
+    gpu_value_loads: int = 0  # segments whose values were copied onto the GPU (lent pages)
+    gpu_value_drops: int = 0  # segments whose GPU values were given back (read from the host since)
 
 
 @dataclass

@@ -66,7 +66,9 @@ class Demoter:
 
     # ---- when ----------------------------------------------------------------------------------
     def headroom(self, reserved_pages: int) -> int:
-        return self.pool.num_free - reserved_pages
+        """Unused pages not promised to running requests (pages lent for GPU values do not count:
+        a dense document is demoted before compressed ones lose their GPU values)."""
+        return self.pool.num_unused - reserved_pages
 
     def wanted(self, reserved_pages: int, waiting_need: int) -> bool:
         """Whether memory is short: under the watermark, or under what the next waiting request needs."""

@@ -4,7 +4,8 @@ slot, segment, scratch row and request row is free or held, and held by exactly 
 Owners: the radix tree (its entries), each running request (its own entries past the borrowed
 prefix, the copies it made of entries another request cached first, its segment being
 compressed, its scratch row with that row's pages, and its table row), each live compressed
-segment (its pages: compressed state lives in the dense pool's pages), a demotion under way (its
+segment (its pages: compressed state lives in the dense pool's pages; and the pages lent for its
+GPU values, which the pool counts as lent), a demotion under way (its
 segment) and the compressed pool itself (its null page). A compressed segment's reference count
 must equal the chunk references that the tree and the requests hold. Run by the scheduler
 whenever it goes idle with `--check-integrity` (tests turn it on), and by tests after random
@@ -82,6 +83,13 @@ def _check_compressed(errors: list[str], cache: "CacheManager", tree_entries: li
     if droppable != tier.droppable_pages:
         errors.append(f"droppable compressed pages: {tier.droppable_pages} counted, {droppable} marked")
     segments = list(store.live.values())
+    lent = sum(len(seg.value_pages) for seg in segments)
+    if lent != cache.pool.lent:
+        errors.append(f"GPU values: segments hold {lent} lent pages, the pool lent {cache.pool.lent}")
+    homes = int((store.value_home >= 0).sum())
+    if homes != sum(seg.num_chunks for seg in segments if seg.value_pages):
+        errors.append(f"GPU values: {homes} chunk slots have a GPU home, their segments hold "
+                      f"{sum(seg.num_chunks for seg in segments if seg.value_pages)} chunks")
     free = store.free_ids()
     _check_once(errors, "segment", range(store.max_segments), free["segments"], [s.seg_id for s in segments])
     _check_once(errors, "host slot", range(1, store.chunk_capacity + 1), free["host_slots"],

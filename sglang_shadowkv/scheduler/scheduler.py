@@ -21,6 +21,7 @@ logprobs: Req.needs_host_tokens) make the scheduler process the pending step fir
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -67,6 +68,7 @@ class Scheduler:
         self.decode = DecodeManager(self.cache, self.grammars, self.tokenizer, eos_ids, default_generator)
         self.overlap = not args.disable_overlap_schedule
         self.pending: LaunchedStep | None = None
+        self._last_launch: tuple[str, float] | None = None  # (its time counter, when) of the last step
         if self.runner.device.type == "cuda" and not args.skip_server_warmup:
             warm_up(self)
 
@@ -121,6 +123,8 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[ReqUpdate]:
         """Launch the next step, then process the one before it (see the module docstring)."""
+        now = time.perf_counter()
+        self._time_last_launch(now)
         ready, failed = self.grammars.take_ready(idle=not (self.prefill.waiting or self.running or self.pending))
         for req in ready:
             self.prefill.add(req)
@@ -138,6 +142,8 @@ class Scheduler:
         prefill_items, prefill_reqs = self.prefill.schedule()
         items, reqs = decode_items + prefill_items, decode_reqs + prefill_reqs
         launched = self._launch(items, reqs) if items else None
+        if items:
+            self._last_launch = ("prefill_step_ms" if prefill_items else "decode_only_step_ms", now)
         if self.pending is not None:
             updates += self.decode.process(self.pending)
         self.pending = launched
@@ -145,6 +151,13 @@ class Scheduler:
             updates += self.decode.process(launched)
             self.pending = None
         return updates
+
+    def _time_last_launch(self, now: float) -> None:
+        """Book the time since the last launch to its kind of step."""
+        if self._last_launch is not None:
+            name, started = self._last_launch
+            setattr(self.counters, name, getattr(self.counters, name) + round(1000 * (now - started)))
+        self._last_launch = None
 
     def _launch(self, items: list[StepItem], reqs: list[Req]) -> LaunchedStep:
         """Queue the forward pass and the sampling; book what the step does to each request."""
@@ -172,6 +185,7 @@ class Scheduler:
                 rows.append(i)
         self.decode.running += self.prefill.take_done()
         self.counters.decode_steps += any(it.is_decode for it in items)
+        self.counters.prefill_steps += any(not it.is_decode for it in items)
         if scored:
             self._record_logprobs([reqs[i] for i in scored], logits[scored])
         if not sampled:
@@ -204,6 +218,7 @@ class Scheduler:
     def run_when_idle(self) -> None:
         """Each time the scheduler goes idle: finish a demotion under way (nothing decodes to be
         slowed), and with --check-integrity check the pool accounting."""
+        self._time_last_launch(time.perf_counter())  # the last step's time ends here, not at the next request
         self.cache.maintain(idle=True)
         if self.args.check_integrity:
             self.cache.check_integrity(self.running)

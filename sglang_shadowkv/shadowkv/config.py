@@ -71,6 +71,9 @@ class ShadowKVConfig:
                                   "when memory runs short (least recently used first), or at its prefill when the "
                                   "long documents asked for at once could never be held dense; eager: every prompt "
                                   "of at least --shadowkv-min-context tokens is compressed at its prefill")
+    disable_gpu_values: bool = _field(False, "keep compressed documents' values in host memory only (by default a "
+                                      "compressed document also keeps them in pages the dense pool can spare, given "
+                                      "back first when memory is needed: decoding over it then reads HBM, not PCIe)")
     top_p: float = _field(DEFAULT_TOP_P, "budget auto: score mass the selected chunks must hold")
     max_budget: int = _field(DEFAULT_MAX_BUDGET, "budget auto: most chunks selected per KV head and step "
                              "(the fixed shape of a step)")

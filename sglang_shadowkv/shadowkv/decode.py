@@ -2,7 +2,8 @@
 
 Per layer: landmark logits → softmax per query head → max over each KV group → top-k per KV head
 → chunk-cache plan (only misses move) → key rebuild on the compute stream while the value gather
-reads pinned host memory on a second stream → exact attention over [outliers; selected; window].
+reads pinned host memory (or the segment's GPU values, when it has them) on a second stream →
+exact attention over [outliers; selected; window].
 
 A request's chunk-cache scratch is a row of `row_pages` pages of the dense pool, taken when it is
 admitted and given back when it ends (kernels/scratch_blocks.py: entry e of KV head h is a [c, D]
@@ -307,7 +308,7 @@ class SparseDecoder:
 
         def gather():
             gather_fn(pool.host_v[layer], pool.host_slot, jobs, pool.blocks_v[layer], self.scratch_pages, rows,
-                      None if pool.value_scale is None else pool.value_scale[layer])
+                      None if pool.value_scale is None else pool.value_scale[layer], resident=pool.resident(layer))
 
         if self.copy_stream is None:
             gather()
