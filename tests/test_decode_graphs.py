@@ -147,6 +147,26 @@ def test_shadowkv_mixed_batches_give_the_eager_tokens(shadow_pair):
         assert_shadow_pools_clean(eng)
 
 
+def test_a_long_dense_window_beside_compressed_requests_replays_its_split_graph(shadow_pair, monkeypatch):
+    """A dense request with a long window (a dense document) decoding beside compressed ones makes
+    the step split every program's keys (decode.window_splits): its own graph variant, the same
+    tokens as the eager step."""
+    from sglang_shadowkv.shadowkv import decode
+
+    monkeypatch.setattr(decode, "LONG_WINDOW_TOKENS", 40)  # the short prompts' windows count as long here
+    plain, graphed = shadow_pair
+    tok = plain.tokenizer
+    prompts = [long_prompt(tok, 900, 23), long_prompt(tok, 60, 24)]
+    want = run_staggered(plain, prompts, [8, 8], join_every=1)
+    graphs = graphed.scheduler.runner.graphs
+    before = graphs.replays_by_variant.copy()
+    assert run_staggered(graphed, prompts, [8, 8], join_every=1) == want
+    long_steps = sum(n - before[v] for v, n in graphs.replays_by_variant.items() if v.startswith("('long_window'"))
+    assert long_steps >= 3
+    for eng in (plain, graphed):
+        assert_pool_clean(eng)
+
+
 def test_suffixes_over_a_compressed_prefix_replay_a_graph_and_give_the_eager_tokens(shadow_pair):
     """Questions on a cached compressed document with nothing else running are a step of prompt
     chunks only, padded to a captured shape (one tile, three tiles padded to 192 queries, three

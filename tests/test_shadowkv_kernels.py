@@ -239,7 +239,7 @@ def test_gather_values_reads_resident_chunks_from_the_gpu_copy(int8):
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("chunk_size,head_dim", [(8, 64), (4, 32)])
 @pytest.mark.parametrize("queries", [1, 5, 20])  # per request: a decode query, or a suffix tile's
-@pytest.mark.parametrize("splits", [1, 3])  # each program's keys split among 3 programs, merged
+@pytest.mark.parametrize("splits", [1, 3, 16])  # each program's keys split among 3 (16: the most) programs, merged
 def test_sparse_decode_attention(group, chunk_size, head_dim, queries, splits):
     gen = torch.Generator().manual_seed(group * 10 + head_dim + queries)
     batch, hkv, entries, pool_slots, num_pages = 3, 2, 9, 300, 80

@@ -47,6 +47,18 @@ class SparseRequest:
         return [*self.layout.dense_spans, (self.layout.compressed_end, self.seq_len)]
 
 
+# a request attending more dense tokens than this (a dense document decoding beside compressed
+# ones) has every program's keys split MAX_SPLITS ways: else one program per KV head would walk
+# its whole window alone (16 such requests at 128K took 237 ms a step on the H100)
+LONG_WINDOW_TOKENS = 8192
+
+
+def window_splits(reqs: list[SparseRequest]) -> int | None:
+    """The key splits a step needs for its longest window (None: the kernel's own choice)."""
+    longest = max((sum(b - a for a, b in r.window_spans()) for r in reqs), default=0)
+    return sda.MAX_SPLITS if longest > LONG_WINDOW_TOKENS else None
+
+
 @dataclass
 class StepPlan:
     """Per-step tables shared by all layers."""
@@ -59,6 +71,7 @@ class StepPlan:
     top_k: int  # the largest budget the plan's shapes allow
     window_indptr: torch.Tensor  # [B+1] int32
     window_indices: torch.Tensor  # [>= sum] int32 dense pool slots
+    splits: int | None = None  # key splits of the attention kernel (window_splits)
 
 
 class SparseDecoder:
@@ -176,14 +189,15 @@ class SparseDecoder:
                 and sum(b - a for r in reqs for a, b in r.window_spans()) <= plan.window_indices.numel())
 
     def plan_step(self, table: ReqToTokenPool, reqs: list[SparseRequest], width: int | None = None,
-                  static: bool = False) -> StepPlan:
+                  static: bool = False, splits: int | None | str = "auto") -> StepPlan:
         """The step's selection tables for a batch of requests (dense ones attend their window only).
 
         width: chunk columns of the plan (default: the batch's most chunks); the budget shape top_k
         follows from it. static: write into the CUDA-graph buffers, whose shapes a captured graph
         has fixed (the caller pads the batch to a captured size and picks width from the captured
         ones); otherwise fresh tensors. Only the windows change from step to step: the rest is
-        rebuilt when the set of requests changes (compared by row and layout identity).
+        rebuilt when the set of requests changes (compared by row and layout identity). splits:
+        the attention kernel's key splits ("auto": window_splits of this batch; a graph's are fixed).
         """
         dev = self.pool.device
         if width is None:
@@ -207,7 +221,8 @@ class SparseDecoder:
             window_indptr, window = plan.window_indptr[:len(reqs) + 1], plan.window_indices
         else:
             window_indptr = to_device(indptr, dev)
-        return StepPlan(rows, chunk_slots, outliers, lo, hi, budgets, top_k, window_indptr, window)
+        return StepPlan(rows, chunk_slots, outliers, lo, hi, budgets, top_k, window_indptr, window,
+                        window_splits(reqs) if splits == "auto" else splits)
 
     def _selection_tables(self, reqs: list[SparseRequest], width: int, static: bool) -> tuple:
         dev, b, null = self.pool.device, len(reqs), self.pool.null_slot
@@ -241,7 +256,7 @@ class SparseDecoder:
         entries = self.fetch_selected(layer, plan.rows, selected, count_hits=True)
         outliers = self.live_outliers(layer, plan.outliers, plan.outlier_lo, plan.outlier_hi)
         return self.attend_selected(q, layer, outliers, plan.rows, entries, plan.window_indptr,
-                                    plan.window_indices, kv_pool)
+                                    plan.window_indices, kv_pool, splits=plan.splits)
 
     # ---- the parts of a step (shared with the suffix prefill) -----------------------------------
     def landmark_logits(self, q: torch.Tensor, layer: int, chunk_slots: torch.Tensor) -> torch.Tensor:
@@ -290,15 +305,16 @@ class SparseDecoder:
     def attend_selected(self, q: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,
                         entries: torch.Tensor, window_indptr: torch.Tensor, window_indices: torch.Tensor,
                         kv_pool: PagedKVPool, lse: torch.Tensor | None = None,
-                        queries_per_request: int = 1) -> torch.Tensor:
+                        queries_per_request: int = 1, splits: int | None = None) -> torch.Tensor:
         """Exact attention of q [B·Q, Hq, D] (Q queries per request, 1 when decoding) over each
-        request's outliers, scratch entries and dense window."""
+        request's outliers, scratch entries and dense window (splits: the kernel's key splits,
+        None: its own choice)."""
         pool = self.pool
-        attend_fn = sda.sparse_decode_attention if self.use_triton else sda.sparse_decode_attention_reference
-        return attend_fn(q, pool.blocks_k[layer], pool.blocks_v[layer], outliers, self.scratch_pages, rows,
-                         entries.int(), kv_pool.k_buffers[layer], kv_pool.v_buffers[layer],
-                         window_indptr, window_indices, q.shape[-1] ** -0.5, lse=lse,
-                         queries_per_request=queries_per_request)
+        args = (q, pool.blocks_k[layer], pool.blocks_v[layer], outliers, self.scratch_pages, rows, entries.int(),
+                kv_pool.k_buffers[layer], kv_pool.v_buffers[layer], window_indptr, window_indices, q.shape[-1] ** -0.5)
+        if not self.use_triton:
+            return sda.sparse_decode_attention_reference(*args, lse=lse, queries_per_request=queries_per_request)
+        return sda.sparse_decode_attention(*args, lse=lse, queries_per_request=queries_per_request, splits=splits)
 
     def _fetch(self, jobs: torch.Tensor, layer: int, rows: torch.Tensor) -> None:
         """Rebuild the missed keys and gather their values, on two streams when on a GPU."""

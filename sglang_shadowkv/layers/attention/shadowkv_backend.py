@@ -16,18 +16,22 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_shadowkv.kernels import sparse_decode_attention as sda
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
 from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool
 from sglang_shadowkv.mem_cache.compressed_pool import Segment, ShadowKVPool
 from sglang_shadowkv.shadowkv.compress import SegmentCompression
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
-from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest
+from sglang_shadowkv.shadowkv.decode import SparseDecoder, SparseRequest, window_splits
 from sglang_shadowkv.shadowkv.suffix_prefill import SuffixPlan, SuffixPrefill, SuffixRequest
 
 from .base import NO_GRAPH, AttentionBackend, ForwardBatch
 
 DENSE_GRAPH = "dense"  # graph variants (DENSE_GRAPH, v): batches without a compressed prefix
 SUFFIX_GRAPH = "suffix"  # graph variants (SUFFIX_GRAPH, width): suffixes over compressed prefixes
+# graph variants (LONG_WINDOW_GRAPH, width): decode batches with a long dense window (decode.window_splits);
+# a plain width: the other decode batches with a compressed prefix
+LONG_WINDOW_GRAPH = "long_window"
 MIN_GRAPH_CHUNK_COLUMNS = 256
 GRAPH_OUTLIER_SEGMENTS = 2  # a decode graph holds the outliers of this many segments per request
 
@@ -104,7 +108,8 @@ class ShadowKVAttentionBackend(AttentionBackend):
         self._graph_widths = widths + [self.decoder.max_chunks]
 
     def graph_variants(self) -> list:
-        return [(DENSE_GRAPH, v) for v in self.dense.graph_variants()] + self._graph_widths
+        return ([(DENSE_GRAPH, v) for v in self.dense.graph_variants()] + self._graph_widths
+                + [(LONG_WINDOW_GRAPH, w) for w in self._graph_widths])
 
     def startup_graph_variants(self) -> list:
         """The dense graphs and the narrowest sparse ones (documents up to its width); wider
@@ -120,7 +125,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
         width = next((w for w in self._graph_widths if w >= need), None)
         if width is None or not self.decoder.graph_fits(reqs, width):
             return NO_GRAPH
-        return width
+        return width if window_splits(reqs) is None else (LONG_WINDOW_GRAPH, width)
 
     def graph_parts(self, items: list) -> bool:
         """Yes when the step holds a request over a compressed prefix: eagerly, the sparse path
@@ -153,12 +158,14 @@ class ShadowKVAttentionBackend(AttentionBackend):
                 self.req_to_token, reqs, batch.q_indptr, len(batch.input_ids) // batch.batch_size, variant[1],
                 self.req_to_token.padding_row)
             return
-        if isinstance(variant, tuple):  # (DENSE_GRAPH, the dense backend's variant)
+        if isinstance(variant, tuple) and variant[0] == DENSE_GRAPH:  # the dense backend's variant
             self.dense.begin_graph_step(batch, variant[1])
             self.dense_batch = batch
             return
+        long_window = isinstance(variant, tuple)  # (LONG_WINDOW_GRAPH, width)
         reqs = [self._sparse_request(batch, i) for i in range(batch.batch_size)]
-        self.plan = self.decoder.plan_step(self.req_to_token, reqs, width=variant, static=True)
+        self.plan = self.decoder.plan_step(self.req_to_token, reqs, width=variant[1] if long_window else variant,
+                                           static=True, splits=sda.MAX_SPLITS if long_window else None)
 
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         if self.dense_batch is not None and self.dense_rows is None:  # every row is dense
