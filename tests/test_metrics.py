@@ -72,6 +72,8 @@ def test_shadowkv_metrics_follow_server_info(tiny_model_path):
     assert got["shadowkv:host_compressed_bytes"] == pools["segment_host_bytes"] > 0
     assert got["shadowkv:chunk_slot_usage"] == pytest.approx(1 - pools["free_chunk_slots"] / pools["chunk_slots"])
     assert got["shadowkv:chunk_cache_hit_rate"] == 0.0  # nothing running
+    assert got["shadowkv:gpu_value_loads_total"] == skv["gpu_value_loads"] >= 1  # the pool had pages to spare
+    assert got["shadowkv:gpu_value_bytes"] == skv["tiers"]["compressed_gpu_value_bytes"] > 0
     budget = skv["budget"]  # the selected-set histogram over every decode step so far
     assert got["shadowkv:selected_chunks_count"] == budget["head_steps"] > 0
     assert got["shadowkv:selected_chunks_sum"] == pytest.approx(budget["mean_chunks"] * budget["head_steps"])

@@ -142,7 +142,9 @@ class SchedulerStateCollector(Collector):
                               ("compressed_prefix_hits", "Requests that reused a compressed cached prefix."),
                               ("compressed_tokens_reused", "Prompt tokens served from compressed cached prefixes."),
                               ("demotions", "Dense cached spans demoted to compressed form instead of dropped."),
-                              ("demoted_tokens", "Tokens demoted from the dense tier to the compressed one.")):
+                              ("demoted_tokens", "Tokens demoted from the dense tier to the compressed one."),
+                              ("gpu_value_loads", "Compressed segments whose values were copied into lent GPU pages."),
+                              ("gpu_value_drops", "Compressed segments whose GPU values were given back.")):
                 counter(f"shadowkv:{name}", doc, skv.get(name, 0))
             counter("shadowkv:chunk_cache_hits", "Selected chunks already in a request's scratch (since start).",
                     cache["hits"])
@@ -164,6 +166,8 @@ class SchedulerStateCollector(Collector):
                   pools["segment_gpu_bytes"])
             gauge("shadowkv:host_compressed_bytes", "Host bytes of values held by live segments.",
                   pools["segment_host_bytes"])
+            gauge("shadowkv:gpu_value_bytes", "GPU bytes of compressed values kept in lent pages (given back on demand).",
+                  tiers["compressed_gpu_value_bytes"])
             gauge("shadowkv:segments", "Live compressed segments.", pools["segments"])
             gauge("shadowkv:chunk_slot_usage", "Share of the host value pool's chunk slots in use.",
                   1 - pools["free_chunk_slots"] / pools["chunk_slots"])
