@@ -39,7 +39,8 @@ QUESTION_TOKENS = 64
 METRICS = ("duration", "completed", "output_throughput", "total_throughput", "median_ttft_ms", "p90_ttft_ms",
            "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_e2e_latency_ms", "p99_e2e_latency_ms",
            "total_input_tokens", "total_output_tokens")
-COUNTERS = ("prefill_tokens", "cached_tokens", "decode_steps", "prefill_steps", "decode_only_step_ms", "prefill_step_ms", "dense_prefix_hits", "reprefilled_tokens", "compressions",
+COUNTERS = ("prefill_tokens", "cached_tokens", "decode_steps", "prefill_steps", "suffix_steps", "decode_only_step_ms",
+            "suffix_step_ms", "prefill_step_ms", "dense_prefix_hits", "reprefilled_tokens", "compressions",
             "compressed_requests", "compressed_prefix_hits", "demotions", "demoted_tokens", "gpu_value_loads",
             "gpu_value_drops")
 

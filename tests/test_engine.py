@@ -198,7 +198,9 @@ def test_step_time_is_booked_to_decode_only_steps_and_steps_with_prompt_chunks(e
         wall += time.perf_counter() - start
         time.sleep(0.5)  # idle: booked to nothing
     after = engine.get_server_info()["stats"]
-    delta = {k: after[k] - before[k] for k in ("decode_steps", "prefill_steps", "decode_only_step_ms", "prefill_step_ms")}
+    delta = {k: after[k] - before[k] for k in ("decode_steps", "prefill_steps", "suffix_steps", "decode_only_step_ms",
+                                                "suffix_step_ms", "prefill_step_ms")}
     assert delta["prefill_steps"] >= 2 and delta["decode_steps"] >= 2
     assert delta["decode_only_step_ms"] > 0 and delta["prefill_step_ms"] > 0
+    assert delta["suffix_steps"] == delta["suffix_step_ms"] == 0  # full attention: nothing compressed
     assert delta["decode_only_step_ms"] + delta["prefill_step_ms"] <= 1000 * wall + 5

@@ -69,6 +69,7 @@ def test_new_documents_demote_the_least_recently_used_and_a_question_hits_it_com
     out = tiny_tier.generate(input_ids=document(0) + question(7), sampling_params=GREEDY)  # the oldest
     after = tier_counters(tiny_tier)
     assert after["compressed_prefix_hits"] == mid["compressed_prefix_hits"] + 1
+    assert after["suffix_steps"] == mid["suffix_steps"] + 1 and after["suffix_step_ms"] > mid["suffix_step_ms"]
     assert out["meta_info"]["shadowkv"]["compressed_tokens"] >= 512  # its compressed span
     assert out["meta_info"]["cached_tokens"] >= DOC_TOKENS - 8  # nothing prefilled again
     assert after["prefill_tokens"] - mid["prefill_tokens"] == DOC_TOKENS + 12 - out["meta_info"]["cached_tokens"]

@@ -22,13 +22,16 @@ class Counters:
 class StepCounters(Counters):
     """The scheduler's: requests taken, tokens computed, steps run, and where the time went: the
     wall time from a step's launch to the next one's (what the step cost while the scheduler was
-    busy), summed over steps of decodes only and over steps with a prompt chunk."""
+    busy), summed over steps of decodes only, steps whose prompt chunks are all suffixes over
+    compressed prefixes (questions on compressed documents), and the other steps with a prompt chunk."""
     requests: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     decode_steps: int = 0  # steps with a decode (beside prompt chunks or not)
     prefill_steps: int = 0  # steps with a prompt chunk
+    suffix_steps: int = 0  # of those, the ones whose prompt chunks all follow a compressed prefix
     decode_only_step_ms: int = 0
+    suffix_step_ms: int = 0
     prefill_step_ms: int = 0
 
 

@@ -46,6 +46,15 @@ from .warmup import warm_up
 logger = logging.getLogger(__name__)
 
 
+def step_kind(prompt_items: list[StepItem]) -> str:
+    """What a step's prompt chunks make it, for the step clock: decode_only (none), suffix (all
+    follow a compressed prefix: questions on compressed documents) or prefill."""
+    if not prompt_items:
+        return "decode_only"
+    compressed = all(it.shadowkv is not None and it.shadowkv.layout is not None for it in prompt_items)
+    return "suffix" if compressed else "prefill"
+
+
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunner | None = None):
         self.args = args
@@ -143,7 +152,7 @@ class Scheduler:
         items, reqs = decode_items + prefill_items, decode_reqs + prefill_reqs
         launched = self._launch(items, reqs) if items else None
         if items:
-            self._last_launch = ("prefill_step_ms" if prefill_items else "decode_only_step_ms", now)
+            self._last_launch = (step_kind(prefill_items) + "_step_ms", now)
         if self.pending is not None:
             updates += self.decode.process(self.pending)
         self.pending = launched
@@ -185,7 +194,9 @@ class Scheduler:
                 rows.append(i)
         self.decode.running += self.prefill.take_done()
         self.counters.decode_steps += any(it.is_decode for it in items)
-        self.counters.prefill_steps += any(not it.is_decode for it in items)
+        prompts = [it for it in items if not it.is_decode]
+        self.counters.prefill_steps += bool(prompts)
+        self.counters.suffix_steps += step_kind(prompts) == "suffix"
         if scored:
             self._record_logprobs([reqs[i] for i in scored], logits[scored])
         if not sampled:
