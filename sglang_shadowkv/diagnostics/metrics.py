@@ -120,7 +120,7 @@ class SchedulerStateCollector(Collector):
 
         mem, stats = info["memory"], info["stats"]
         total_tokens = mem["total_pages"] * mem["page_size"]
-        used_tokens = (mem["total_pages"] - mem["free_pages"] - mem.get("lent_pages", 0)
+        used_tokens = (mem["total_pages"] - mem["free_pages"] - mem["lent_pages"]
                        - mem["evictable_pages"]) * mem["page_size"]
         looked_up = stats["cached_tokens"] + stats["prefill_tokens"]
         gauge("sglang:num_running_reqs", "The number of running requests.", info["running_requests"])

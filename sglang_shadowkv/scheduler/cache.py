@@ -43,8 +43,7 @@ class CacheManager:
         # included: what a demotion must free for it
         self.turned_away_need = 0
         self.counters = CacheCounters()
-        self.compressed = CompressedTier(runner, self.tree, page_size,
-                                         lambda: self.pool.num_unused - self.reserved_pages) if shadowkv else None
+        self.compressed = CompressedTier(runner, self.tree, page_size, self.headroom) if shadowkv else None
 
     def _release_entries(self, entries: list) -> int:
         if self.compressed is not None:
@@ -54,6 +53,10 @@ class CacheManager:
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
+
+    def headroom(self) -> int:
+        """Unused pages that no running request is promised (pages lent for GPU values do not count)."""
+        return self.pool.num_unused - self.reserved_pages
 
     def available_pages(self) -> int:
         """Pages a new reservation may count on: free, or freed by evicting what no request holds."""
@@ -131,7 +134,7 @@ class CacheManager:
         smaller need would not start never ends."""
         need, self.turned_away_need = self.turned_away_need, 0
         if self.demoter is not None:
-            self.demoter.step(self.reserved_pages, self.available_pages(), need, idle)
+            self.demoter.step(self.available_pages(), need, idle)
 
     def prepare(self, req: Req, item: StepItem) -> None:
         """Before a step computes the item: its pages, and whether this prefill chunk completes a

@@ -40,7 +40,7 @@ from sglang_shadowkv.shadowkv.memory_report import request_report
 from sglang_shadowkv.shadowkv.request_state import ShadowKVReqState, build_layout
 
 from .counters import CompressionCounters
-from .demotion import HEADROOM_SHARE, Demoter
+from .demotion import Demoter, watermark_pages
 from .request import Req
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,8 @@ class AdmissionPlan:
 
 
 class CompressedTier:
-    def __init__(self, runner: ModelRunner, tree: RadixCache, page_size: int, spare_pages: Callable[[], int]):
-        """spare_pages: unused pages of the pool that no running request is promised."""
+    def __init__(self, runner: ModelRunner, tree: RadixCache, page_size: int, headroom: Callable[[], int]):
+        """headroom: unused pages of the pool that no running request is promised (CacheManager.headroom)."""
         self.cfg, self.store, self.decoder = runner.shadowkv_config, runner.compressed_pool, runner.decoder
         self.runner, self.pool, self.tree, self.page_size = runner, runner.pool, tree, page_size
         if page_size != self.cfg.chunk_size:
@@ -73,7 +73,7 @@ class CompressedTier:
         self.droppable_pages = 0
         self.policy = self.cfg.compress_policy  # the warmup sets "eager" for a moment
         self.demoter = Demoter(self) if self.policy == "tier" else None
-        self.spare_pages = spare_pages
+        self.headroom = headroom
         self._uses = itertools.count(1)
         self.pool.reclaim = self._give_back_values
 
@@ -195,7 +195,7 @@ class CompressedTier:
         seg.last_use = next(self._uses)
         if seg.value_pages or self.cfg.disable_gpu_values:
             return
-        room = self.spare_pages() - int(HEADROOM_SHARE * self.pool.capacity)
+        room = self.headroom() - watermark_pages(self.pool)
         if self.store.value_pages_for(seg.num_chunks) <= room and self.store.load_values(seg):
             self.counters.gpu_value_loads += 1
 

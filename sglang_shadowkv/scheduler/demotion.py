@@ -37,6 +37,11 @@ TOKEN_LAYERS_PER_STEP = 32768  # demotion work per step: e.g. 2 layers of a 16K-
 PATIENCE_STEPS = 64  # a finished job whose span stays in use this long gives up (its segment is freed)
 
 
+def watermark_pages(pool) -> int:
+    """The headroom kept ahead of need: HEADROOM_SHARE of the pool."""
+    return int(HEADROOM_SHARE * pool.capacity)
+
+
 @dataclass
 class DemotionJob:
     node: TreeNode  # the span's lowest node (locked by the job; splits leave it the lowest)
@@ -65,33 +70,29 @@ class Demoter:
         return [] if self.job is None else [self.job.segment]
 
     # ---- when ----------------------------------------------------------------------------------
-    def headroom(self, reserved_pages: int) -> int:
-        """Unused pages not promised to running requests (pages lent for GPU values do not count:
-        a dense document is demoted before compressed ones lose their GPU values)."""
-        return self.pool.num_unused - reserved_pages
-
-    def wanted(self, reserved_pages: int, waiting_need: int) -> bool:
-        """Whether memory is short: under the watermark, or under what the next waiting request needs."""
-        target = max(int(HEADROOM_SHARE * self.pool.capacity), waiting_need)
-        return self.headroom(reserved_pages) < target
+    def wanted(self, waiting_need: int) -> bool:
+        """Whether memory is short: the headroom (CacheManager.headroom: pages lent for GPU values
+        do not count, so a dense document is demoted before compressed ones lose their GPU values)
+        under the watermark, or under what the next waiting request needs."""
+        return self.tier.headroom() < max(watermark_pages(self.pool), waiting_need)
 
     def can_help(self, available_pages: int) -> bool:
         """Whether waiting for a demotion can free pages (a job runs, or one can start)."""
         return self.job is not None or self._candidate(available_pages) is not None
 
     # ---- work ----------------------------------------------------------------------------------
-    def step(self, reserved_pages: int, available_pages: int, waiting_need: int, idle: bool) -> None:
+    def step(self, available_pages: int, waiting_need: int, idle: bool) -> None:
         """Advance the demotion by this step's share of work; start a job when memory is short.
         All of the job's work goes in one step when nothing decodes, or when the next waiting
         request needs more than the headroom (its first token waits on this demotion, so a few
         steps of decode run slower instead of that request waiting many steps).
         available_pages: free + evictable - reserved."""
-        if self.job is None and self.wanted(reserved_pages, waiting_need):
+        if self.job is None and self.wanted(waiting_need):
             self._start(available_pages)
         job = self.job
         if job is None:
             return
-        urgent = idle or waiting_need > self.headroom(reserved_pages)
+        urgent = idle or waiting_need > self.tier.headroom()
         budget = TOKEN_LAYERS_PER_STEP
         while job.layer < self.store.num_layers and (urgent or budget > 0):
             self._compress_layer(job)

@@ -86,10 +86,9 @@ def _check_compressed(errors: list[str], cache: "CacheManager", tree_entries: li
     lent = sum(len(seg.value_pages) for seg in segments)
     if lent != cache.pool.lent:
         errors.append(f"GPU values: segments hold {lent} lent pages, the pool lent {cache.pool.lent}")
-    homes = int((store.value_home >= 0).sum())
-    if homes != sum(seg.num_chunks for seg in segments if seg.value_pages):
-        errors.append(f"GPU values: {homes} chunk slots have a GPU home, their segments hold "
-                      f"{sum(seg.num_chunks for seg in segments if seg.value_pages)} chunks")
+    homes, chunks = int((store.value_home >= 0).sum()), sum(seg.num_chunks for seg in segments if seg.value_pages)
+    if homes != chunks:
+        errors.append(f"GPU values: {homes} chunk slots have a GPU home, their segments hold {chunks} chunks")
     free = store.free_ids()
     _check_once(errors, "segment", range(store.max_segments), free["segments"], [s.seg_id for s in segments])
     _check_once(errors, "host slot", range(1, store.chunk_capacity + 1), free["host_slots"],

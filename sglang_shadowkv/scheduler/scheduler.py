@@ -152,7 +152,10 @@ class Scheduler:
         items, reqs = decode_items + prefill_items, decode_reqs + prefill_reqs
         launched = self._launch(items, reqs) if items else None
         if items:
-            self._last_launch = (step_kind(prefill_items) + "_step_ms", now)
+            kind = step_kind(prefill_items)
+            self.counters.prefill_steps += kind != "decode_only"
+            self.counters.suffix_steps += kind == "suffix"
+            self._last_launch = (kind + "_step_ms", now)
         if self.pending is not None:
             updates += self.decode.process(self.pending)
         self.pending = launched
@@ -194,9 +197,6 @@ class Scheduler:
                 rows.append(i)
         self.decode.running += self.prefill.take_done()
         self.counters.decode_steps += any(it.is_decode for it in items)
-        prompts = [it for it in items if not it.is_decode]
-        self.counters.prefill_steps += bool(prompts)
-        self.counters.suffix_steps += step_kind(prompts) == "suffix"
         if scored:
             self._record_logprobs([reqs[i] for i in scored], logits[scored])
         if not sampled:

@@ -5,8 +5,8 @@ wrapped dense backend; decode tokens of requests with one go through the sparse 
 chunks after a compressed prefix (a question over a cached document) through the sparse suffix
 prefill. In the step that completes a request's long prompt, each layer compresses its segment
 right after its attention has run (the last layer also solves every layer's low-rank basis), so
-the prefill is exact over its own tokens and their dense pages can be freed after the step. Outside a step, `compress_span` compresses a request's long
-dense tail when it finishes.
+the prefill is exact over its own tokens and their dense pages can be freed after the step.
+Outside a step, `compress_span` compresses a request's long dense tail when it finishes.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
             self.dense.begin_graph_step(batch, variant[1])
             self.dense_batch = batch
             return
-        long_window = isinstance(variant, tuple)  # (LONG_WINDOW_GRAPH, width)
+        long_window = isinstance(variant, tuple) and variant[0] == LONG_WINDOW_GRAPH
         reqs = [self._sparse_request(batch, i) for i in range(batch.batch_size)]
         self.plan = self.decoder.plan_step(self.req_to_token, reqs, width=variant[1] if long_window else variant,
                                            static=True, splits=sda.MAX_SPLITS if long_window else None)
