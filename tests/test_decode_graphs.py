@@ -14,7 +14,7 @@ from conftest import assert_pool_clean
 from test_shadowkv import (SHADOW_ENGINE, assert_shadow_pools_clean, document_and_questions, greedy_answers,
                            long_prompt)
 
-from sglang_shadowkv.model_executor.cuda_graph_runner import graph_batch_sizes
+from sglang_shadowkv.model_executor.cuda_graph_runner import graph_batch_sizes, pool_bytes
 from sglang_shadowkv.sampling_params import SamplingParams
 
 SHORT = ["The capital of France is", "Once upon a time, in a small village by the sea,",
@@ -45,6 +45,14 @@ def test_graph_batch_sizes_cover_every_batch():
     sizes = graph_batch_sizes(40)
     assert sizes == [1, 2, 4, 8, 12, 16, 24, 32, 40]
     assert graph_batch_sizes(3) == [1, 2, 3] and graph_batch_sizes(1) == [1]
+
+
+def test_graph_memory_counts_only_the_graph_pool_segments():
+    pool = (0, 7)
+    snapshot = [{"total_size": 4 << 20, "segment_pool_id": (0, 7)}, {"total_size": 2 << 20, "segment_pool_id": (0, 0)},
+                {"total_size": 1 << 20, "segment_pool_id": [0, 7]}, {"total_size": 8 << 20}]
+    assert pool_bytes(snapshot, pool) == 5 << 20
+    assert pool_bytes([], pool) == 0
 
 
 def test_the_torch_backend_is_never_captured(dense_pair):

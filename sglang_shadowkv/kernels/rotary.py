@@ -26,7 +26,7 @@ def rotate_reference(x, cos_cache, sin_cache, positions, inverse: bool = False, 
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(out_dtype or x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one compiled variant for every token count (each batch size)
 def _rotate_kernel(X, COS, SIN, POS, OUT, T, stride_xt, stride_xh, stride_ot, stride_oh, stride_c, sign,
                    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
     h = tl.program_id(1)

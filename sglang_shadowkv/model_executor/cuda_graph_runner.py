@@ -40,10 +40,9 @@ from .forward_batch import StepItem
 
 logger = logging.getLogger(__name__)
 
-WARMUP_RUNS = 2  # before each startup capture: compile kernels and settle allocations outside the graph
-# before a capture on first use, while serving: every other request waits for it, and one run
-# compiles what is new (startup already settled the libraries' lazy state)
-FIRST_USE_WARMUP_RUNS = 1
+# eager runs before each capture: one compiles the kernels and settles the libraries' lazy state
+# (workspaces, plans) outside the graph; a second only doubled the capture's time
+WARMUP_RUNS = 1
 SUFFIX = "suffix"  # graph keys ((SUFFIX, requests, tokens each), variant): suffixes; (batch size, variant): decode
 
 
@@ -51,6 +50,12 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, 12, 16, then every 8 up to max_bs (SGLang's spacing), and max_bs itself."""
     sizes = [s for s in (1, 2, 4, 8, 12) if s < max_bs] + list(range(16, max_bs, 8))
     return sizes + [max_bs]
+
+
+def pool_bytes(snapshot: list[dict], pool) -> int:
+    """Bytes of the segments torch's allocator holds for one private pool (a graph pool handle),
+    from torch.cuda.memory_snapshot()."""
+    return sum(seg["total_size"] for seg in snapshot if tuple(seg.get("segment_pool_id", ())) == tuple(pool))
 
 
 class CudaGraphRunner:
@@ -77,7 +82,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.replays = 0
         self.replays_by_variant: Counter[str] = Counter()
-        self.capture_seconds = self.graph_bytes = 0.0
+        self.capture_seconds, self.graph_bytes = 0.0, 0
         self._pool = self._stream = None  # one memory pool and capture stream for every graph
         if capture:
             self._capture(self._keys_for(only_for) if only_for else
@@ -124,7 +129,7 @@ class CudaGraphRunner:
             graph = self.graphs.get(key)
             if graph is None:  # a variant captured on first use (the backend keeps startup short)
                 torch.cuda.synchronize(self.device)  # nothing else in flight while capturing
-                self._capture([key], FIRST_USE_WARMUP_RUNS)
+                self._capture([key])
                 graph = self.graphs[key]
                 write_inputs(batch)
                 backend.begin_graph_step(batch, variant)
@@ -198,13 +203,13 @@ class CudaGraphRunner:
         bs = self.bucket(len(items))
         return [(bs, self.backend.graph_variant(self._padded_batch(items, bs)))]
 
-    def _capture(self, keys: list[tuple], warmup_runs: int = WARMUP_RUNS) -> None:
+    def _capture(self, keys: list[tuple]) -> None:
         """Capture each (batch size, variant), largest first, in one memory pool: only one graph
-        runs at a time, so their intermediate tensors can share memory. Their memory is what
-        torch's allocator holds more after (the graphs' pool and the warmups' cached blocks; not
-        mem_get_info, which also moves with memory freed meanwhile)."""
+        runs at a time, so their intermediate tensors can share memory. Their memory is that
+        pool's segments (what reserved memory gained would also count the warmups' cached blocks
+        and lose what others freed meanwhile)."""
         backend, dev = self.backend, self.device
-        start, before = time.perf_counter(), torch.cuda.memory_reserved(dev)
+        start = time.perf_counter()
         if self._pool is None:
             self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
         pool, stream = self._pool, self._stream
@@ -213,7 +218,7 @@ class CudaGraphRunner:
             backend.begin_graph_step(batch, variant)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
-                for _ in range(warmup_runs):
+                for _ in range(WARMUP_RUNS):
                     self._forward(batch, (bs, variant))
             torch.cuda.current_stream(dev).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
@@ -221,12 +226,13 @@ class CudaGraphRunner:
                 self._forward(batch, (bs, variant))
             self.graphs[(bs, variant)] = graph
         torch.cuda.synchronize(dev)
-        seconds, graph_bytes = time.perf_counter() - start, torch.cuda.memory_reserved(dev) - before
+        seconds, before = time.perf_counter() - start, self.graph_bytes
         self.capture_seconds += seconds
-        self.graph_bytes += graph_bytes
+        self.graph_bytes = pool_bytes(torch.cuda.memory_snapshot(), pool)
         logger.info("captured %d CUDA graph(s) (%s) in %.1f s, %.2f GiB; %d in all, %.1f s, %.2f GiB",
                     len(keys), keys if len(keys) == 1 else f"batch sizes {self.batch_sizes}", seconds,
-                    graph_bytes / 2**30, len(self.graphs), self.capture_seconds, self.graph_bytes / 2**30)
+                    (self.graph_bytes - before) / 2**30, len(self.graphs), self.capture_seconds,
+                    self.graph_bytes / 2**30)
 
     def _stand_in(self, size, variant) -> ForwardBatch:
         """A batch of only padding for capturing the graph (size, variant), its inputs written."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -63,8 +64,10 @@ class ModelRunner:
         """loaded: a model already in memory (benchmarks build several runners over one model)."""
         self.device = resolve_device(args)
         self.dtype = resolve_dtype(args, self.device)
+        start = time.perf_counter()
         self.loaded = loaded or load_model(args.model_path, self.dtype, self.device, args.context_length,
                                            args.tokenizer_path)
+        logger.info("model %s ready in %.1f s", args.model_path or "(embedded)", time.perf_counter() - start)
         self.config = cfg = self.loaded.config
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
@@ -128,15 +131,17 @@ class ModelRunner:
 
     def _build_shadowkv(self, max_running_requests: int) -> None:
         cfg, skv = self.config, self.shadowkv_config
+        start = time.perf_counter()
         self.compressed_pool = ShadowKVPool(self.pool, skv.max_rank(cfg.kv_dim), self.memory_plan.host_chunks,
                                             MAX_SEGMENTS, skv.host_value_torch_dtype, skv.landmark_torch_dtype)
         self.decoder = SparseDecoder(self.compressed_pool, skv, self.model.rotary,
                                      skv.max_requests or max_running_requests,
                                      self.context_length // skv.chunk_size, self.device.type == "cuda")
         logger.info("ShadowKV: %s; %s; %d chunk slots per page; up to %d requests decode compressed, each "
-                    "taking %d pages of chunk-cache scratch while it runs", skv.describe_rank(cfg.kv_dim),
-                    skv.describe_budget(), self.compressed_pool.layout.slots_per_page, self.decoder.max_rows,
-                    self.decoder.row_pages)
+                    "taking %d pages of chunk-cache scratch while it runs (pools built, host memory page-locked, "
+                    "in %.1f s)", skv.describe_rank(cfg.kv_dim), skv.describe_budget(),
+                    self.compressed_pool.layout.slots_per_page, self.decoder.max_rows, self.decoder.row_pages,
+                    time.perf_counter() - start)
 
     def init_graphs(self, max_bs: int, capture: bool, only_for: list[StepItem] | None = None) -> None:
         """Decode steps of up to max_bs requests from fixed buffers: captured as CUDA graphs

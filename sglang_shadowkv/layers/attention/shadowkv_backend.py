@@ -112,9 +112,11 @@ class ShadowKVAttentionBackend(AttentionBackend):
                 + [(LONG_WINDOW_GRAPH, w) for w in self._graph_widths])
 
     def startup_graph_variants(self) -> list:
-        """The dense graphs and the narrowest sparse ones (documents up to its width); wider
-        compressed prefixes capture theirs on first use, so startup stays short."""
-        return [(DENSE_GRAPH, v) for v in self.dense.startup_graph_variants()] + self._graph_widths[:1]
+        """The dense graphs only: which sparse widths serving needs follows from its documents'
+        lengths (the narrowest width, 256 chunks, is shorter than the shortest document compressed
+        by default), so those are captured on first use; the server's warmup compresses a document
+        and so compiles the sparse kernels before the first request."""
+        return [(DENSE_GRAPH, v) for v in self.dense.startup_graph_variants()]
 
     def graph_variant(self, batch: ForwardBatch):
         if not any(st is not None and st.layout is not None for st in batch.shadowkv or []):
