@@ -9,12 +9,13 @@ change any output either.
 """
 
 import pytest
+import torch
 
 from conftest import assert_pool_clean
 from test_shadowkv import (SHADOW_ENGINE, assert_shadow_pools_clean, document_and_questions, greedy_answers,
                            long_prompt)
 
-from sglang_shadowkv.model_executor.cuda_graph_runner import graph_batch_sizes, pool_bytes
+from sglang_shadowkv.model_executor.cuda_graph_runner import graph_batch_sizes, pool_bytes, warmup_shape
 from sglang_shadowkv.sampling_params import SamplingParams
 
 SHORT = ["The capital of France is", "Once upon a time, in a small village by the sea,",
@@ -53,6 +54,31 @@ def test_graph_memory_counts_only_the_graph_pool_segments():
                 {"total_size": 1 << 20, "segment_pool_id": [0, 7]}, {"total_size": 8 << 20}]
     assert pool_bytes(snapshot, pool) == 5 << 20
     assert pool_bytes([], pool) == 0
+
+
+def test_only_a_shapes_first_capture_warms_up_and_a_failed_one_is_redone_warm(dense_pair, monkeypatch):
+    """The batch sizes of one shape launch the same kernels: only the first capture runs the step
+    eagerly first; a capture without one that fails is redone after a warmup."""
+    runner = dense_pair[1].scheduler.runner
+    monkeypatch.setattr(runner, "graphs", runner.graphs)  # the fixture's graphs come back afterwards
+    graphs = with_static_decode(dense_pair[1], 8)
+    calls = []
+
+    def record(batch, key, warm_up):
+        calls.append((key[0], warm_up))
+        if key[0] == 2 and not warm_up:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return object()
+
+    monkeypatch.setattr(graphs, "_record", record)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [])
+    variant = graphs.backend.startup_graph_variants()[0]
+    graphs._capture([(bs, variant) for bs in (8, 4, 2, 1)])
+    assert calls == [(8, True), (4, False), (2, False), (2, True), (1, False)]
+    assert all((bs, variant) in graphs.graphs for bs in (8, 4, 2, 1))
+    assert warmup_shape((("suffix", 4, 64), 512)) == warmup_shape((("suffix", 16, 64), 512)) != \
+        warmup_shape((("suffix", 4, 128), 512))
 
 
 def test_the_torch_backend_is_never_captured(dense_pair):
