@@ -144,6 +144,9 @@ def test_sampling_is_seeded(engine):
     ({"prompt": "hi", "sampling_params": {"temprature": 0.5}}, "temprature"),
     ({"prompt": "word " * 9000}, "context length"),
     ({"input_ids": [1, 2, 10**9]}, "input_ids"),
+    ({"input_ids": [1, -2, 3]}, "input_ids"),
+    ({"input_ids": [1, True, 3]}, "input_ids"),
+    ({"input_ids": [1, 2.0, 3]}, "input_ids"),
     ({"prompt": ["fine", ""]}, "empty"),
     ({"prompt": ["fine", "word " * 9000]}, "context length"),
 ])

@@ -46,6 +46,13 @@ from .warmup import warm_up
 logger = logging.getLogger(__name__)
 
 
+def valid_token_ids(input_ids: list, vocab_size: int) -> bool:
+    """Whether every id is an int (not a bool) in [0, vocab_size), checked by C-level builtins: a
+    Python test per token cost ~8 ms for a 128K-token prompt, in every request's time to first
+    token."""
+    return set(map(type, input_ids)) <= {int} and 0 <= min(input_ids) and max(input_ids) < vocab_size
+
+
 def step_kind(prompt_items: list[StepItem]) -> str:
     """What a step's prompt chunks make it, for the step clock: decode_only (none), suffix (all
     follow a compressed prefix: questions on compressed documents) or prefill."""
@@ -87,8 +94,7 @@ class Scheduler:
         """Validate and queue; raises ValueError naming the problem (nothing is allocated then)."""
         if not input_ids:
             raise ValueError("prompt is empty: give a non-empty text or input_ids")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
-               for t in input_ids):
+        if not valid_token_ids(input_ids, self.vocab_size):
             raise ValueError(f"input_ids must be ints in [0, {self.vocab_size})")
         if len(input_ids) >= self.context_length:
             raise ValueError(f"prompt has {len(input_ids)} tokens; the context length is "
