@@ -189,7 +189,7 @@ class SparseDecoder:
                 and sum(b - a for r in reqs for a, b in r.window_spans()) <= plan.window_indices.numel())
 
     def plan_step(self, table: ReqToTokenPool, reqs: list[SparseRequest], width: int | None = None,
-                  static: bool = False, splits: int | None | str = "auto") -> StepPlan:
+                  static: bool = False, splits: int | None = None) -> StepPlan:
         """The step's selection tables for a batch of requests (dense ones attend their window only).
 
         width: chunk columns of the plan (default: the batch's most chunks); the budget shape top_k
@@ -197,7 +197,8 @@ class SparseDecoder:
         has fixed (the caller pads the batch to a captured size and picks width from the captured
         ones); otherwise fresh tensors. Only the windows change from step to step: the rest is
         rebuilt when the set of requests changes (compared by row and layout identity). splits:
-        the attention kernel's key splits ("auto": window_splits of this batch; a graph's are fixed).
+        the attention kernel's key splits of a static plan, fixed by its graph's variant; an eager
+        plan takes its batch's own (window_splits).
         """
         dev = self.pool.device
         if width is None:
@@ -222,7 +223,7 @@ class SparseDecoder:
         else:
             window_indptr = to_device(indptr, dev)
         return StepPlan(rows, chunk_slots, outliers, lo, hi, budgets, top_k, window_indptr, window,
-                        window_splits(reqs) if splits == "auto" else splits)
+                        splits if static else window_splits(reqs))
 
     def _selection_tables(self, reqs: list[SparseRequest], width: int, static: bool) -> tuple:
         dev, b, null = self.pool.device, len(reqs), self.pool.null_slot
