@@ -286,6 +286,37 @@ def test_sparse_decode_attention(group, chunk_size, head_dim, queries, splits):
         torch.testing.assert_close(want, one_by_one, rtol=TOL, atol=TOL)
 
 
+# The suffix path's tiles hand the kernel the model's half-precision queries (bf16 on a GPU). Triton
+# 3.9's interpreter computes bf16 dots wrongly (a 16x16 bf16 tl.dot is off by ~1e10 there; fp16 is
+# exact), so on a CPU the same kernel path is checked with fp16 queries and keys.
+HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_half_queries_give_a_float32_output_as_their_float32_values_do(splits):
+    """The suffix path's tiles: queries in the model's half precision, output and lse float32 for
+    the merge, equal to attending with the same values upcast (half products are exact in float32)."""
+    gen = torch.Generator().manual_seed(7)
+    batch, hkv, group, d, c, queries = 2, 2, 4, 32, 8, 20
+    q = torch.randn(batch * queries, hkv * group, d, generator=gen).to(HALF)
+    blocks_k, blocks_v = (torch.randn(12 * hkv, c, d, generator=gen).to(HALF) for _ in range(2))
+    outliers = torch.tensor([[[2, -1], [3, 5]], [[4, 9], [-1, -1]]], dtype=torch.int32)
+    scratch_pages = torch.tensor([[6, 7, 8], [9, 10, 11]], dtype=torch.int32)
+    entries = torch.tensor([[[0, 2, -1], [1, 0, 2]], [[2, -1, -1], [0, 1, -1]]], dtype=torch.int32)
+    k_pool, v_pool = (torch.randn(40, hkv, d, generator=gen).to(HALF) for _ in range(2))
+    no_window = torch.zeros(batch + 1, dtype=torch.int32)
+    rest = [t.to(DEVICE) for t in (outliers, scratch_pages, torch.tensor([0, 1], dtype=torch.int32), entries,
+                                   k_pool, v_pool, no_window, torch.zeros(1, dtype=torch.int32))]
+    args = lambda dtype: [t.to(DEVICE).to(dtype) for t in (q, blocks_k, blocks_v)] + rest + [d ** -0.5]
+    lse_got, lse_want = (torch.empty(batch * queries, hkv * group, device=DEVICE) for _ in range(2))
+    got = sparse_decode_attention(*args(HALF), lse=lse_got, queries_per_request=queries, splits=splits,
+                                  out_dtype=torch.float32)
+    want = sparse_decode_attention_reference(*args(torch.float32), lse=lse_want, queries_per_request=queries)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(lse_got, lse_want, rtol=TOL, atol=TOL)
+
+
 def test_key_splits_fill_idle_sms_in_powers_of_two(monkeypatch):
     import sglang_shadowkv.kernels.sparse_decode_attention as sda
 

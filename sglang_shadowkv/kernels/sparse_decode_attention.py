@@ -44,10 +44,10 @@ def chunks_per_key_block(chunk: int) -> int:
 
 def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries,
                                       k_pool, v_pool, window_indptr, window_indices, sm_scale, lse=None,
-                                      queries_per_request=1):
-    """q [B·Q, Hq, D] -> [B·Q, Hq, D] (Q = queries_per_request: rows b·Q.. of q attend request b's
-    keys); float32 softmax over the gathered keys of each KV head; lse [B·Q, Hq] float32, if given,
-    receives each query head's log-sum-exp.
+                                      queries_per_request=1, out_dtype=None):
+    """q [B·Q, Hq, D] -> [B·Q, Hq, D] of out_dtype (default q's; Q = queries_per_request: rows b·Q..
+    of q attend request b's keys); float32 softmax over the gathered keys of each KV head; lse
+    [B·Q, Hq] float32, if given, receives each query head's log-sum-exp.
 
     The keys of every (request, KV head) are gathered into one padded tensor with a mask
     (missing outliers, entries and window positions masked out), so a step is a few batched
@@ -79,7 +79,7 @@ def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scr
     out = (probs @ values).view(b_, hkv, nq, g, d).transpose(1, 2).reshape(b_ * nq, hq, d)
     if lse is not None:
         lse.copy_(total.view(b_, hkv, nq, g).transpose(1, 2).reshape(b_ * nq, hq))
-    return out.to(q.dtype)
+    return out.to(out_dtype or q.dtype)
 
 
 @triton.jit
@@ -188,7 +188,7 @@ def _split_range(count, split, SPLITS, STEP: tl.constexpr):
 
 def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries,
                             k_pool, v_pool, window_indptr, window_indices, sm_scale, lse=None,
-                            queries_per_request=1, splits=None):
+                            queries_per_request=1, splits=None, out_dtype=None):
     """Triton version of `sparse_decode_attention_reference` (same arguments). `splits` (default:
     `key_splits`) divides each program's keys among that many programs, merged by log-sum-exp: a
     few programs alone (a small decode batch, one question's tiles) would leave most of the GPU
@@ -197,7 +197,7 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
     b = n // queries_per_request
     hkv = k_pool.shape[1]
     chunk = blocks_k.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     if b == 0:
         return out
     if blocks_k.stride() != blocks_v.stride() or blocks_k.stride(1) != d or blocks_k.stride(2) != 1:

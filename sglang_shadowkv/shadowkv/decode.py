@@ -306,16 +306,18 @@ class SparseDecoder:
     def attend_selected(self, q: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,
                         entries: torch.Tensor, window_indptr: torch.Tensor, window_indices: torch.Tensor,
                         kv_pool: PagedKVPool, lse: torch.Tensor | None = None,
-                        queries_per_request: int = 1, splits: int | None = None) -> torch.Tensor:
+                        queries_per_request: int = 1, splits: int | None = None,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Exact attention of q [B·Q, Hq, D] (Q queries per request, 1 when decoding) over each
         request's outliers, scratch entries and dense window (splits: the kernel's key splits,
-        None: its own choice)."""
+        None: its own choice; out_dtype: the output's, default q's)."""
         pool = self.pool
         args = (q, pool.blocks_k[layer], pool.blocks_v[layer], outliers, self.scratch_pages, rows, entries.int(),
                 kv_pool.k_buffers[layer], kv_pool.v_buffers[layer], window_indptr, window_indices, q.shape[-1] ** -0.5)
+        kwargs = dict(lse=lse, queries_per_request=queries_per_request, out_dtype=out_dtype)
         if not self.use_triton:
-            return sda.sparse_decode_attention_reference(*args, lse=lse, queries_per_request=queries_per_request)
-        return sda.sparse_decode_attention(*args, lse=lse, queries_per_request=queries_per_request, splits=splits)
+            return sda.sparse_decode_attention_reference(*args, **kwargs)
+        return sda.sparse_decode_attention(*args, splits=splits, **kwargs)
 
     def _fetch(self, jobs: torch.Tensor, layer: int, rows: torch.Tensor) -> None:
         """Rebuild the missed keys and gather their values, on two streams when on a GPU."""
