@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mode:
         print("RESULT " + json.dumps(run_mode(args)), flush=True)
         return {}
+    out = args.out or os.path.join(os.environ.get("OUT", os.path.join("benchmarks", "results")), "cold_and_hit.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     modes = {}
     for mode in args.modes:  # one process per mode: each gets the whole GPU
         cmd = [sys.executable, __file__, "--mode", mode, "--contexts", *map(str, args.contexts)]
@@ -151,12 +153,10 @@ def main(argv: list[str] | None = None) -> dict:
         if run.returncode != 0 or not result:
             raise SystemExit(f"{mode} failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
         modes[mode] = json.loads(result[-1][len("RESULT "):])
-    report = {"model_path": args.model_path or "embedded", "question_tokens": QUESTION_TOKENS,
-              "modes": modes, "shadowkv_over_full": compare(modes)}
-    out = args.out or os.path.join(os.environ.get("OUT", os.path.join("benchmarks", "results")), "cold_and_hit.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
+        report = {"model_path": args.model_path or "embedded", "question_tokens": QUESTION_TOKENS,
+                  "modes": modes, "shadowkv_over_full": compare(modes)}
+        with open(out, "w") as f:  # after each mode: a run cut short keeps what it measured
+            json.dump(report, f, indent=1)
     print(f"{'context':>8} | ShadowKV / full: cold | hit | 16 hits")
     for r in report["shadowkv_over_full"]:
         print(f"{r['context']:>8} | {r['cold']:.2f} | {r['hit']:.2f} | {r['hit_x16']:.2f}")
