@@ -46,6 +46,9 @@ class SparseRequest:
             return [(0, self.seq_len)]
         return [*self.layout.dense_spans, (self.layout.compressed_end, self.seq_len)]
 
+    def window_tokens(self) -> int:
+        return sum(b - a for a, b in self.window_spans())
+
 
 # a request attending more dense tokens than this (a dense document decoding beside compressed
 # ones) has every program's keys split MAX_SPLITS ways: else one program per KV head would walk
@@ -55,7 +58,7 @@ LONG_WINDOW_TOKENS = 8192
 
 def window_splits(reqs: list[SparseRequest]) -> int | None:
     """The key splits a step needs for its longest window (None: the kernel's own choice)."""
-    longest = max((sum(b - a for a, b in r.window_spans()) for r in reqs), default=0)
+    longest = max((r.window_tokens() for r in reqs), default=0)
     return sda.MAX_SPLITS if longest > LONG_WINDOW_TOKENS else None
 
 
@@ -186,7 +189,7 @@ class SparseDecoder:
                 and all(r.layout is None or (r.layout.num_chunks <= width
                                              and r.layout.num_outliers <= plan.outliers.shape[2])
                         for r in reqs)
-                and sum(b - a for r in reqs for a, b in r.window_spans()) <= plan.window_indices.numel())
+                and sum(r.window_tokens() for r in reqs) <= plan.window_indices.numel())
 
     def plan_step(self, table: ReqToTokenPool, reqs: list[SparseRequest], width: int | None = None,
                   static: bool = False, splits: int | None = None) -> StepPlan:
