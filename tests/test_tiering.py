@@ -267,7 +267,7 @@ def test_warmup_compresses_whatever_the_policy(tiny_tier, monkeypatch):
     sched = tiny_tier.scheduler
     tier = sched.cache.compressed
     calls = []
-    monkeypatch.setattr(tier, "count_compression", lambda seg: calls.append(seg.num_tokens))
+    monkeypatch.setattr(tier, "count_compression", lambda seg, what: calls.append(seg.num_tokens))
     tiny_tier.flush_cache()
     before = dict(sched.stats)
     warm_up(sched)

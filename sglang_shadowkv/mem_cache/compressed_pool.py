@@ -43,6 +43,7 @@ class Segment:
     refs: int = 0  # live ChunkRefs (radix tree entries and running requests'); freed at 0
     unlocked_tree_refs: int = 0  # of those, the ones in radix-tree nodes no request holds
     droppable: bool = False  # every reference is an unlocked tree entry: evicting frees its pages
+    ranks_on_host: tuple | None = None  # (event, pinned tensor): the ranks' copy started by stage_ranks
 
     @property
     def num_chunks(self) -> int:
@@ -53,10 +54,31 @@ class Segment:
         """Outlier chunks per KV head."""
         return self.outlier_blocks.shape[1]
 
+    def stage_ranks(self) -> None:
+        """Start copying the per-layer ranks to the host, queued right after the compression that
+        set them: a plain read later would wait for everything the stream runs by then (the
+        steps launched since), where this waits for the compression alone."""
+        if not self.chunk_slots.is_cuda:
+            return
+        stacked = torch.stack([torch.as_tensor(r).to(self.chunk_slots.device) for r in self.ranks])
+        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        host.copy_(stacked, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.ranks_on_host = (event, host)
+
+    def ranks_ready(self) -> bool:
+        """Whether settle_ranks returns without waiting for the device."""
+        return self.ranks_on_host is None or self.ranks_on_host[0].query()
+
     def settle_ranks(self) -> list[int]:
         """The per-layer ranks as ints: one copy for every layer once the compression is done
         (compression leaves them on the device, so its layers queue without a host sync each)."""
-        if any(isinstance(r, torch.Tensor) for r in self.ranks):
+        if self.ranks_on_host is not None:
+            event, host = self.ranks_on_host
+            event.synchronize()
+            self.ranks, self.ranks_on_host = host.tolist(), None
+        elif any(isinstance(r, torch.Tensor) for r in self.ranks):
             self.ranks = torch.stack([torch.as_tensor(r).to(self.chunk_slots.device) for r in self.ranks]).tolist()
         return self.ranks
 

@@ -98,14 +98,16 @@ class CacheManager:
         req.pages = list(match.pages)
         req.num_borrowed = match.num_pages
         req.cached_tokens = req.num_computed = match.num_pages * self.page_size
-        if req.pages:  # compressed entries have no dense slots (their table entries are never read)
-            dense = [e if isinstance(e, int) else 0 for e in req.pages]
+        layout = None if req.shadowkv is None else req.shadowkv.layout  # of the matched compressed chunks
+        if len(req.pages) > (0 if layout is None else layout.num_chunks):  # dense pages among them
+            # compressed entries have no dense slots (their table entries are never read)
+            dense = [e if type(e) is int else 0 for e in req.pages]
             self.table.write(req.pool_row, 0, self.pool.slots_of_pages(dense, req.num_computed))
         req.reserved_pages = need
         self.reserved_pages += need
-        if plan is not None:
-            self.compressed.use_matched(match.pages)
-        self._count_admission(req, match.pages)
+        if layout is not None:
+            self.compressed.use_matched(layout)
+        self._count_admission(req, dense_hit=len(match.pages) > (0 if layout is None else layout.num_chunks))
         return True
 
     def _wait_for_demotion(self, need: int) -> bool:
@@ -122,9 +124,9 @@ class CacheManager:
         """Whether a demotion runs or can start (then waiting for memory is not hopeless)."""
         return self.demoter is not None and self.demoter.can_help(self.available_pages())
 
-    def _count_admission(self, req: Req, matched: list) -> None:
+    def _count_admission(self, req: Req, dense_hit: bool) -> None:
         self.counters.cached_tokens += req.cached_tokens
-        self.counters.dense_prefix_hits += any(isinstance(e, int) for e in matched)
+        self.counters.dense_prefix_hits += dense_hit
         self.counters.reprefilled_tokens += self.tree.dropped_tokens_at(req.input_ids, req.cached_tokens)
 
     def maintain(self, idle: bool) -> None:
@@ -133,6 +135,8 @@ class CacheManager:
         full need (its ShadowKV segment and scratch row included): a wait for a demotion that a
         smaller need would not start never ends."""
         need, self.turned_away_need = self.turned_away_need, 0
+        if self.compressed is not None:
+            self.compressed.settle_ranks(wait=False)
         if self.demoter is not None:
             self.demoter.step(self.available_pages(), need, idle)
 

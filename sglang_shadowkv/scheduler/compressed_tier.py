@@ -37,7 +37,7 @@ from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, Segment
 from sglang_shadowkv.mem_cache.radix_cache import RadixCache
 from sglang_shadowkv.model_executor.model_runner import ModelRunner
 from sglang_shadowkv.shadowkv.memory_report import request_report
-from sglang_shadowkv.shadowkv.request_state import ShadowKVReqState, build_layout
+from sglang_shadowkv.shadowkv.request_state import CompressedLayout, ShadowKVReqState, build_layout
 
 from .counters import CompressionCounters
 from .demotion import Demoter, watermark_pages
@@ -70,6 +70,7 @@ class CompressedTier:
         self.counters = CompressionCounters()
         self.rank_totals = [0] * runner.config.num_layers  # summed over compressions: the mean rank per layer
         self.last_ranks: list[int] = []
+        self._unsettled: list[tuple[Segment, str]] = []  # compressed, ranks not read yet (settle_ranks)
         self.droppable_pages = 0
         self.policy = self.cfg.compress_policy  # the warmup sets "eager" for a moment
         self.demoter = Demoter(self) if self.policy == "tier" else None
@@ -157,12 +158,13 @@ class CompressedTier:
     def on_prompt_done(self, req: Req) -> None:
         """After the step that completed the prompt (and compressed the own span, if any)."""
         st = req.shadowkv
-        if st.segment is not None:
-            self.store.wait_host_writes()  # the next step's value gathers read them
-            self._swap_in_chunk_refs(req, st.segment)
-            self.counters.compressed_requests += 1
-            st.segment = None
         st.compress_now = False
+        if st.segment is None:  # its prompt's own tokens stay dense: the matched layout holds
+            return
+        self.store.wait_host_writes()  # the next step's value gathers read them
+        self._swap_in_chunk_refs(req, st.segment)
+        self.counters.compressed_requests += 1
+        st.segment = None
         st.layout = build_layout(req.pages, self.cfg.chunk_size)
 
     def _swap_in_chunk_refs(self, req: Req, seg: Segment) -> None:
@@ -171,22 +173,30 @@ class CompressedTier:
         refs = self.new_refs(seg)
         self.pool.free(req.pages[first:first + len(refs)])
         req.pages[first:first + len(refs)] = refs
-        self.count_compression(seg)
-        logger.info("ShadowKV: compressed %d tokens of request %s, ranks per layer %s", seg.num_tokens, req.rid,
-                    seg.ranks)
+        self.count_compression(seg, f"of request {req.rid}")
 
-    def count_compression(self, seg: Segment) -> None:
+    def count_compression(self, seg: Segment, what: str) -> None:
+        """Count a finished compression; its ranks are read later (settle_ranks): reading them now,
+        right after the step that compresses was launched, would wait for that whole step."""
         self._use(seg)
-        seg.settle_ranks()
         self.counters.compressions += 1
         self.counters.compressed_tokens += seg.num_tokens
-        self.rank_totals = [t + r for t, r in zip(self.rank_totals, seg.ranks)]
-        self.last_ranks = list(seg.ranks)
+        self._unsettled.append((seg, what))
+
+    def settle_ranks(self, wait: bool) -> None:
+        """Book the ranks of finished compressions into the rank statistics (and the log): those
+        already on the host, or (wait) all of them."""
+        while self._unsettled and (wait or self._unsettled[0][0].ranks_ready()):
+            seg, what = self._unsettled.pop(0)
+            ranks = seg.settle_ranks()
+            self.rank_totals = [t + r for t, r in zip(self.rank_totals, ranks)]
+            self.last_ranks = list(ranks)
+            logger.info("ShadowKV: compressed %d tokens %s, ranks per layer %s", seg.num_tokens, what, ranks)
 
     # ---- GPU values ----------------------------------------------------------------------------
-    def use_matched(self, entries: list) -> None:
-        """An admitted request (its pages reserved) matched these entries: their segments were used."""
-        for seg in {id(e.segment): e.segment for e in entries if isinstance(e, ChunkRef)}.values():
+    def use_matched(self, layout: CompressedLayout) -> None:
+        """An admitted request (its pages reserved) matched these compressed chunks: their segments were used."""
+        for seg in layout.segments:
             self._use(seg)
 
     def _use(self, seg: Segment) -> None:
@@ -225,8 +235,8 @@ class CompressedTier:
 
     def _compress_tail(self, req: Req) -> None:
         ps = self.page_size
-        last_chunk = max((i for i, e in enumerate(req.pages) if isinstance(e, ChunkRef)), default=-1)
-        first = max(req.num_borrowed, last_chunk + 1)
+        layout = req.shadowkv.layout  # every compressed chunk of its pages
+        first = max(req.num_borrowed, 0 if layout is None else layout.compressed_end // ps)
         whole = req.num_computed // ps
         span = self.cfg.compressed_len((whole - first) * ps, ps)
         if span <= 0:

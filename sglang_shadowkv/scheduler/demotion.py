@@ -14,7 +14,6 @@ request that matched the span meanwhile keeps reading it dense, and the swap wai
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,8 +28,6 @@ if TYPE_CHECKING:
     from sglang_shadowkv.layers.attention.shadowkv_backend import SpanCompression
 
     from .compressed_tier import CompressedTier
-
-logger = logging.getLogger(__name__)
 
 HEADROOM_SHARE = 0.1  # keep this share of the pool free (or promised to nobody) ahead of need
 TOKEN_LAYERS_PER_STEP = 32768  # demotion work per step: e.g. 2 layers of a 16K-token document
@@ -167,10 +164,9 @@ class Demoter:
             self.pool.free(old)
         self.tree.unlock(job.node)
         self.job = None
-        self.tier.count_compression(job.segment)
+        self.tier.count_compression(job.segment, f"demoted at position {job.start}")
         self.counters.demotions += 1
         self.counters.demoted_tokens += job.num_tokens
-        logger.info("demoted %d dense tokens at position %d to compressed form", job.num_tokens, job.start)
 
     def _span_nodes(self, job: DemotionJob) -> list[TreeNode]:
         """The nodes covering the job's span, top first (splits since the start made more)."""

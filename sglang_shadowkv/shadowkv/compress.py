@@ -227,7 +227,8 @@ class SegmentCompression:
     def finish(self, keys_of: Callable[[int], torch.Tensor]) -> None:
         """Solve every layer's basis together, then write each layer's basis, rank and low-rank
         keys (keys_of(layer): the layer's post-RoPE keys again, as given to add_layer). The ranks
-        stay 0-dim device tensors in seg.ranks (Segment.settle_ranks reads them at once)."""
+        stay 0-dim device tensors in seg.ranks, their copy to the host started (Segment.stage_ranks;
+        settle_ranks reads them)."""
         if self.added != len(self.layers):
             raise RuntimeError(f"finish after {self.added} of {len(self.layers)} layers")
         pool, seg = self.pool, self.seg
@@ -244,6 +245,7 @@ class SegmentCompression:
             seg.ranks[layer] = ranks[i]
             with tf32_matmuls():
                 pool.write_lowrank(layer, seg, self._pre_rope_keys(keys_of(layer)) @ bases[i].T)
+        seg.stage_ranks()
 
 
 def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.Tensor,

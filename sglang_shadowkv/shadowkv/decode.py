@@ -92,8 +92,9 @@ class SparseDecoder:
         # each taken row's pages (alloc_row); an entry is read only once written (held), readers mask the rest
         self.scratch_pages = torch.full((rows, self.max_entries), pool.null_page, dtype=torch.int32, device=dev)
         self._row_pages: dict[int, list[int]] = {}
-        self.held = [torch.full((rows, pool.num_kv_heads, self.max_entries), -1, dtype=torch.int64, device=dev)
-                     for _ in range(layers)]
+        # [layers, rows, Hkv, max_entries]: the chunk each scratch entry holds (-1: none); one tensor,
+        # so that a new owner's row is reset by one fill, not one per layer
+        self.held = torch.full((layers, rows, pool.num_kv_heads, self.max_entries), -1, dtype=torch.int64, device=dev)
         self.hits = torch.zeros(rows, 2, dtype=torch.int64, device=dev)  # hits, lookups
         self.finished_hits = torch.zeros(2, dtype=torch.int64, device=dev)
         # per scratch row and layer, how many KV-head steps selected k chunks (column k)
@@ -101,6 +102,7 @@ class SparseDecoder:
         self.finished_budget_hist = torch.zeros(layers, self.max_entries + 1, dtype=torch.int64, device=dev)
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.copy_stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+        self.stats_stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None  # row_stats
         self._plan_key: tuple | None = None
         self._plan_static: tuple | None = None
         self.graph_plan: StepPlan | None = None  # static buffers of CUDA-graph steps (init_graph_state)
@@ -137,8 +139,7 @@ class SparseDecoder:
         row = self._free_rows.pop()
         self._row_pages[row] = pages
         self.scratch_pages[row] = to_device(torch.tensor(pages, dtype=torch.int32), self.pool.device)
-        for held in self.held:  # forget the chunks the row's previous owner held
-            held[row] = -1
+        self.held[:, row] = -1  # forget the chunks the row's previous owner held
         self.hits[row] = 0
         self.budget_hist[row] = 0
         return row
@@ -151,9 +152,20 @@ class SparseDecoder:
         self.pool.kv.free(self._row_pages.pop(row))
         self._free_rows.append(row)
 
-    def hit_counts(self, row: int) -> tuple[int, int]:
-        hits, lookups = self.hits[row].tolist()
-        return hits, lookups
+    def row_stats(self, row: int) -> tuple[int, int, dict]:
+        """(chunk-cache hits, lookups, budget_stats) of one scratch row, for a request's report when
+        it ends. Read on a stream of their own: a plain read would wait for the step in flight
+        (overlap scheduling launches it before the previous step's requests are released) and
+        leave the GPU idle while the host then prepares the next. The step that produced the
+        request's last token has completed (its tokens were read), so its counters are final; one
+        found finished a step late (a stop token) may count that in-flight step in part."""
+        if self.stats_stream is None:
+            snapshot = torch.cat([self.hits[row], self.budget_hist[row].flatten()])
+        else:
+            with torch.cuda.stream(self.stats_stream):
+                snapshot = torch.cat([self.hits[row], self.budget_hist[row].flatten()]).cpu()
+        hits, lookups = snapshot[:2].tolist()
+        return hits, lookups, budget_summary(snapshot[2:].view(self.budget_hist.shape[1:]).cpu(), self.max_entries)
 
     def chunk_cache_stats(self) -> dict:
         """Chunk-cache hits and lookups since start (finished and running requests): the share of
@@ -161,11 +173,10 @@ class SparseDecoder:
         hits, lookups = (self.finished_hits + self.hits[:self.dummy_row].sum(0)).tolist()
         return {"hits": hits, "lookups": lookups, "hit_rate": hits / lookups if lookups else 0.0}
 
-    def budget_stats(self, row: int | None = None) -> dict:
-        """Chunks selected per KV head and step, per layer: of one scratch row, or of every request
-        so far (None: the finished ones and the running ones)."""
-        hist = self.finished_budget_hist + self.budget_hist[:self.dummy_row].sum(0) if row is None \
-            else self.budget_hist[row]
+    def budget_stats(self) -> dict:
+        """Chunks selected per KV head and step, per layer, of every request so far (the finished
+        ones and the running ones)."""
+        hist = self.finished_budget_hist + self.budget_hist[:self.dummy_row].sum(0)
         return budget_summary(hist.cpu(), self.max_entries)
 
     # ---- per step ------------------------------------------------------------------------------

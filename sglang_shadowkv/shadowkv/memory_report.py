@@ -11,7 +11,7 @@ from .request_state import CompressedLayout
 def request_report(store: ShadowKVPool, decoder: SparseDecoder, layout: CompressedLayout, row: int,
                    dense_tokens: int, kv_bytes_per_token: int, seq_len: int) -> dict:
     """dense_tokens: tokens the request holds in dense pages (window, outputs, dense prefix)."""
-    hits, lookups = decoder.hit_counts(row)
+    hits, lookups, budget = decoder.row_stats(row)
     sizes: dict[str, int] = {}
     for seg, n in zip(layout.segments, layout.segment_chunks):
         for key, value in store.segment_bytes(seg, n).items():
@@ -22,9 +22,9 @@ def request_report(store: ShadowKVPool, decoder: SparseDecoder, layout: Compress
     return {
         "compressed_tokens": layout.num_chunks * store.chunk_size,
         "segments": len(layout.segments),
-        "ranks": list(layout.segments[0].ranks),  # per layer, of its first segment
-        "segment_ranks": [list(seg.ranks) for seg in layout.segments],
-        "budget": decoder.budget_stats(row),  # chunks selected per KV head and step, per layer
+        "ranks": list(layout.segments[0].settle_ranks()),  # per layer, of its first segment
+        "segment_ranks": [list(seg.settle_ranks()) for seg in layout.segments],
+        "budget": budget,  # chunks selected per KV head and step, per layer
         "outliers_per_head": layout.num_outliers,
         "dense_kv_bytes": dense,
         **sizes,
