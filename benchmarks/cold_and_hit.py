@@ -13,7 +13,8 @@ next 16.
 ShadowKV runs `--shadowkv-compress-policy eager`, so the document is compressed at its prefill
 (at the default policy, `tier`, it would stay dense and be served as full attention serves it:
 that path is full attention's). With `--profile`, torch.profiler then runs around another ShadowKV cold
-request, a hit and 16 hits at once (not the timed ones), and the top ops by device and by host time go into the JSON: where the time goes.
+request, a hit and 16 hits at once (not the timed ones), and the top ops by device and by host time go into the JSON: where the time goes;
+and `host_syncs` counts, for a hit, 16 hits and a cold request, the places where the engine waited for the device.
 Each mode runs in its own process (one GPU's memory each), then the two are compared.
 
     python benchmarks/cold_and_hit.py --model-path random:llama-3.1-8b --tokenizer-path DIR --profile
@@ -31,6 +32,8 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 
 QUESTION_TOKENS = 64
 CONCURRENT_QUESTIONS = 16
@@ -72,6 +75,33 @@ def _profiled(engine, prompts: list[list[int]]) -> tuple[float, dict]:
     return seconds, {"device_top": _top_ops(prof, device_key), "host_top": _top_ops(prof, "self_cpu_time_total")}
 
 
+def _host_syncs(engine, prompts: list[list[int]]) -> dict[str, int]:
+    """Where the engine waits for the device while serving these prompts: torch's sync debug mode
+    warns at every implicit synchronisation (.item(), .tolist(), a copy to pageable memory), and the
+    innermost frame of this package at each warning is counted."""
+    import torch
+
+    if engine.scheduler.runner.device.type != "cuda":
+        return {}
+    package = os.path.join("sglang_shadowkv", "")
+    sites: dict[str, int] = {}
+
+    def record(*_args, **_kwargs):
+        ours = [f for f in traceback.extract_stack() if package in f.filename]
+        site = f"{ours[-1].filename.split(package)[-1]}:{ours[-1].lineno} {ours[-1].name}" if ours else "outside"
+        sites[site] = sites.get(site, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _timed(engine, prompts)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(sorted(sites.items(), key=lambda kv: -kv[1]))
+
+
 def run_mode(args) -> dict:
     """One attention mode on one fresh Engine: every context's cold, hit and hit_x16 times."""
     import numpy as np
@@ -107,7 +137,11 @@ def run_mode(args) -> dict:
                 engine.flush_cache()
                 row["profile"] = {"cold": _profiled(engine, [doc + questions[0]])[1],
                                   "hit": _profiled(engine, [doc + questions[2]])[1],
-                                  "hit_x16": _profiled(engine, [doc + q for q in batches[1]])[1]}
+                                  "hit_x16": _profiled(engine, [doc + q for q in batches[1]])[1],
+                                  "host_syncs": {"hit": _host_syncs(engine, [doc + questions[3]]),
+                                                 "hit_x16": _host_syncs(engine, [doc + q for q in batches[0]])}}
+                engine.flush_cache()
+                row["profile"]["host_syncs"]["cold"] = _host_syncs(engine, [doc + questions[0]])
             rows.append(row)
             print(f"[{args.mode}] {context:>7}: cold {cold:.3f} s, hit {hit * 1e3:.1f} ms (first {first_hit * 1e3:.0f}), "
                   f"16 hits {hit_x16 * 1e3:.1f} ms (first {first_hit_x16 * 1e3:.0f})", flush=True)
