@@ -23,7 +23,7 @@ import torch
 
 from .compressed_layout import basis_pages, element_size, quantize_per_head, segment_pages, slot_layout
 from .host_memory import PinnedHostTensor
-from .kv_pool import PagedKVPool
+from .kv_pool import PagedKVPool, to_device
 
 
 @dataclass
@@ -199,13 +199,14 @@ class ShadowKVPool:
         slots = torch.tensor([p * m + j for p in slot_pages for j in range(m)][:n], dtype=torch.int64)
         host = [self._free_host.pop() for _ in range(n)]
         blocks = torch.tensor(outlier_pages, dtype=torch.int32)[None, :] * h + torch.arange(h, dtype=torch.int32)[:, None]
-        seg = Segment(self._free_segments.pop(), start, num_tokens, slots.to(self.device), blocks.to(self.device),
+        seg = Segment(self._free_segments.pop(), start, num_tokens, to_device(slots, self.device),
+                      to_device(blocks, self.device),
                       slot_pages + outlier_pages + basis_pages, host, ranks=[0] * self.num_layers,
                       host_runs=_contiguous_runs(host))
-        self.basis_pages[seg.seg_id] = torch.tensor(basis_pages, dtype=torch.int32, device=self.device)
+        self.basis_pages[seg.seg_id] = to_device(torch.tensor(basis_pages, dtype=torch.int32), self.device)
         self.chunk_pos[seg.chunk_slots] = (start + torch.arange(n, device=self.device) * self.chunk_size).int()
         self.chunk_basis[seg.chunk_slots] = seg.seg_id
-        self.host_slot[seg.chunk_slots] = torch.tensor(host, dtype=torch.int32, device=self.device)
+        self.host_slot[seg.chunk_slots] = to_device(torch.tensor(host, dtype=torch.int32), self.device)
         self.live[seg.seg_id] = seg
         return seg
 

@@ -130,7 +130,7 @@ class ReqToTokenPool:
         self._free.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start:start + slots.numel()] = slots.to(self.table.device, torch.int32)
+        self.table[row, start:start + slots.numel()] = to_device(slots.to(torch.int32), self.table.device)
 
     def span_slots(self, rows: list[int], starts: list[int], ends: list[int]) -> torch.Tensor:
         """Slots [sum(ends - starts)] int32 of tokens starts[i]..ends[i]-1 of each row, concatenated.

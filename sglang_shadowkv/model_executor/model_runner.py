@@ -11,7 +11,7 @@ from sglang_shadowkv.layers.attention import ForwardBatch, create_attention_back
 from sglang_shadowkv.layers.attention.eviction_backend import (
     EVICTION_POLICIES, EvictionAttentionBackend, make_eviction_policy)
 from sglang_shadowkv.layers.attention.shadowkv_backend import ShadowKVAttentionBackend
-from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
 from sglang_shadowkv.mem_cache.compressed_layout import host_bytes_per_chunk
 from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 from sglang_shadowkv.mem_cache.memory_plan import MemoryPlan, available_host_bytes, free_gpu_bytes, plan_gpu_memory
@@ -197,14 +197,14 @@ class ModelRunner:
             parts.append((eager, self._forward_eager([items[i] for i in eager], None)))
         out = torch.empty(len(items), parts[0][1].shape[1], dtype=parts[0][1].dtype, device=self.device)
         for rows, logits in parts:
-            out[torch.tensor(rows, device=self.device)] = logits
+            out[to_device(torch.tensor(rows), self.device)] = logits
         return out
 
     def _forward_eager(self, items: list[StepItem], logit_rows: list[int] | None) -> torch.Tensor:
         batch = self.build_batch(items)
         self.backend.begin_step(batch)
         self.eager_steps += 1
-        rows = None if logit_rows is None else torch.tensor(logit_rows, device=self.device)
+        rows = None if logit_rows is None else to_device(torch.tensor(logit_rows), self.device)
         return self.model(batch, self.backend, rows)
 
 

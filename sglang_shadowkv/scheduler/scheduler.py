@@ -28,6 +28,7 @@ import torch
 from sglang_shadowkv.constrained import create_grammar_backend
 from sglang_shadowkv.constrained.grammar_manager import GrammarManager
 from sglang_shadowkv.layers.sampler import sample
+from sglang_shadowkv.mem_cache.kv_pool import to_device
 from sglang_shadowkv.model_executor.forward_batch import StepItem
 from sglang_shadowkv.model_executor.model_runner import ModelRunner, default_chunked_prefill_size
 from sglang_shadowkv.sampling_params import SamplingParams
@@ -207,13 +208,15 @@ class Scheduler:
             self._record_logprobs([reqs[i] for i in scored], logits[scored])
         if not sampled:
             return LaunchedStep([], torch.zeros(0, dtype=torch.long), None, prompts_done)
-        sampled_logits = logits[rows]
+        # indices go through to_device: a plain host index would wait for the step just queued
+        in_order = rows == list(range(len(logits)))
+        sampled_logits = logits if in_order else logits[to_device(torch.tensor(rows), logits.device)]
         tokens, logprobs = sample(sampled_logits, [self.decode.sampling_row(r) for r in sampled],
                                   self.grammars.vocab_mask(sampled),
                                   with_logprobs=any(r.logprob is not None for r in sampled))
         if logprobs is not None:
             record_output_logprobs(sampled, sampled_logits, tokens.tolist(), logprobs.tolist())
-        table_rows = torch.tensor([r.pool_row for r in sampled], device=self.runner.device)
+        table_rows = to_device(torch.tensor([r.pool_row for r in sampled]), self.runner.device)
         self.runner.next_input[table_rows] = tokens
         for req in sampled:
             req.num_sampled += 1

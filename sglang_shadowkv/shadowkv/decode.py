@@ -243,9 +243,9 @@ class SparseDecoder:
         dev, b, null = self.pool.device, len(reqs), self.pool.null_slot
         slots, outliers, budget_list = selection_tables([r.layout for r in reqs], self.cfg, null,
                                                         self.pool.num_kv_heads, dev)
-        budgets = torch.tensor(budget_list, device=dev)
-        rows = torch.tensor([self.dummy_row if r.scratch_row is None else r.scratch_row for r in reqs],
-                            dtype=torch.int32, device=dev)
+        budgets = to_device(torch.tensor(budget_list, dtype=torch.int64), dev)
+        rows = to_device(torch.tensor([self.dummy_row if r.scratch_row is None else r.scratch_row for r in reqs],
+                                      dtype=torch.int32), dev)
         if not static:
             slots = torch.nn.functional.pad(slots, (0, width - slots.shape[1]), value=null)
             return rows, slots, *outliers, budgets, max(budget_list, default=0)

@@ -72,10 +72,10 @@ class ForwardBatch:
         extend = [self.extend_lens[i] for i in requests]
         seq = [self.seq_lens[i] for i in requests]
         dev = self.q_indptr.device
-        token_rows, kv_rows = token_rows.to(dev), kv_rows.to(self.kv_indices.device)
+        token_rows, kv_rows = to_device(token_rows, dev), to_device(kv_rows, self.kv_indices.device)
 
         def indptr(lens):
-            return torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+            return to_device(torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32), dev)
 
         sub = ForwardBatch(
             input_ids=self.input_ids[token_rows], positions=self.positions[token_rows],

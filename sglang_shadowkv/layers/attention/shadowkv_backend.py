@@ -18,7 +18,7 @@ import torch
 
 from sglang_shadowkv.kernels import sparse_decode_attention as sda
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
-from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool
+from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool, to_device
 from sglang_shadowkv.mem_cache.compressed_pool import Segment, ShadowKVPool
 from sglang_shadowkv.shadowkv.compress import SegmentCompression
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
@@ -194,7 +194,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
 
     def page_slots(self, pages: list[int], seg: Segment) -> torch.Tensor:
         """Dense-pool slots of the segment's span held in pages of the cache (a demotion)."""
-        return self.pool.slots_of_pages(pages, seg.num_tokens).to(self.pool.device)
+        return to_device(self.pool.slots_of_pages(pages, seg.num_tokens), self.pool.device)
 
     def start_compression(self, slots: torch.Tensor, seg: Segment) -> SpanCompression:
         return SpanCompression(SegmentCompression(self.store, seg, self.rotary, self.cfg), slots)
