@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One device call: every accuracy benchmark and the throughput benchmark at ShadowKV's defaults (no
-# shadowkv tuning flags), JSON under $OUT. Steps (default: all but sweep, in this order; more than one call: name the steps, each call under 10 min):
+# Every accuracy benchmark and the throughput benchmark at ShadowKV's defaults (no
+# shadowkv tuning flags), JSON under $OUT. Steps (default: all but sweep, in this order). They no longer fit
+# one 10-minute call (2026-11-25 on the H100: niah 5 min, multiturn 3, memo 1): name them, two calls,
+# e.g. `niah multiturn memo`, then `fidelity hit throughput`:
 #   niah      NIAH grid, full vs ShadowKV: kv, passkey and multikv (4 look-alike needles, one asked)
 #   multiturn multi-turn NIAH, full vs ShadowKV
 #   memo      memo_retrieval: 12 look-alike facts in a 5.2K memo, one question each
