@@ -57,10 +57,12 @@ class Segment:
     def stage_ranks(self) -> None:
         """Start copying the per-layer ranks to the host, queued right after the compression that
         set them: a plain read later would wait for everything the stream runs by then (the
-        steps launched since), where this waits for the compression alone."""
-        if not self.chunk_slots.is_cuda:
-            return
+        steps launched since), where this waits for the compression alone. Off a GPU they are
+        read at once."""
         stacked = torch.stack([torch.as_tensor(r).to(self.chunk_slots.device) for r in self.ranks])
+        if not stacked.is_cuda:
+            self.ranks = stacked.tolist()
+            return
         host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
         host.copy_(stacked, non_blocking=True)
         event = torch.cuda.Event()
@@ -72,14 +74,12 @@ class Segment:
         return self.ranks_on_host is None or self.ranks_on_host[0].query()
 
     def settle_ranks(self) -> list[int]:
-        """The per-layer ranks as ints: one copy for every layer once the compression is done
-        (compression leaves them on the device, so its layers queue without a host sync each)."""
+        """The per-layer ranks as ints, once their copy (stage_ranks) has landed (compression
+        leaves them on the device, so its layers queue without a host sync each)."""
         if self.ranks_on_host is not None:
             event, host = self.ranks_on_host
             event.synchronize()
             self.ranks, self.ranks_on_host = host.tolist(), None
-        elif any(isinstance(r, torch.Tensor) for r in self.ranks):
-            self.ranks = torch.stack([torch.as_tensor(r).to(self.chunk_slots.device) for r in self.ranks]).tolist()
         return self.ranks
 
 

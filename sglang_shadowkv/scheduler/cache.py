@@ -99,15 +99,15 @@ class CacheManager:
         req.num_borrowed = match.num_pages
         req.cached_tokens = req.num_computed = match.num_pages * self.page_size
         layout = None if req.shadowkv is None else req.shadowkv.layout  # of the matched compressed chunks
-        if len(req.pages) > (0 if layout is None else layout.num_chunks):  # dense pages among them
-            # compressed entries have no dense slots (their table entries are never read)
+        dense_matched = len(req.pages) > (0 if layout is None else layout.num_chunks)  # dense pages among them
+        if dense_matched:  # compressed entries have no dense slots (their table entries are never read)
             dense = [e if type(e) is int else 0 for e in req.pages]
             self.table.write(req.pool_row, 0, self.pool.slots_of_pages(dense, req.num_computed))
         req.reserved_pages = need
         self.reserved_pages += need
         if layout is not None:
             self.compressed.use_matched(layout)
-        self._count_admission(req, dense_hit=len(match.pages) > (0 if layout is None else layout.num_chunks))
+        self._count_admission(req, dense_hit=dense_matched)
         return True
 
     def _wait_for_demotion(self, need: int) -> bool:

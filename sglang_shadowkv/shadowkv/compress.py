@@ -226,9 +226,9 @@ class SegmentCompression:
 
     def finish(self, keys_of: Callable[[int], torch.Tensor]) -> None:
         """Solve every layer's basis together, then write each layer's basis, rank and low-rank
-        keys (keys_of(layer): the layer's post-RoPE keys again, as given to add_layer). The ranks
-        stay 0-dim device tensors in seg.ranks, their copy to the host started (Segment.stage_ranks;
-        settle_ranks reads them)."""
+        keys (keys_of(layer): the layer's post-RoPE keys again, as given to add_layer). On a GPU the
+        ranks stay 0-dim device tensors in seg.ranks, their copy to the host started
+        (Segment.stage_ranks; settle_ranks reads them)."""
         if self.added != len(self.layers):
             raise RuntimeError(f"finish after {self.added} of {len(self.layers)} layers")
         pool, seg = self.pool, self.seg
@@ -249,10 +249,9 @@ class SegmentCompression:
 
 
 def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.Tensor,
-                   v: torch.Tensor, rotary: RotaryTables, cfg: ShadowKVConfig) -> torch.Tensor:
+                   v: torch.Tensor, rotary: RotaryTables, cfg: ShadowKVConfig) -> None:
     """Compress one layer of a segment on its own (benchmarks and probes; the engine compresses
-    a segment's layers together). Returns the layer's rank (a 0-dim tensor, also in seg.ranks)."""
+    a segment's layers together). Its rank goes to seg.ranks (settle_ranks reads it)."""
     job = SegmentCompression(pool, seg, rotary, cfg, layers=[layer])
     job.add_layer(layer, k_post, v)
     job.finish(lambda _: k_post)
-    return seg.ranks[layer]

@@ -14,6 +14,7 @@ at startup: while nothing is compressed the dense pool holds its pages, and the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -159,13 +160,10 @@ class SparseDecoder:
         leave the GPU idle while the host then prepares the next. The step that produced the
         request's last token has completed (its tokens were read), so its counters are final; one
         found finished a step late (a stop token) may count that in-flight step in part."""
-        if self.stats_stream is None:
-            snapshot = torch.cat([self.hits[row], self.budget_hist[row].flatten()])
-        else:
-            with torch.cuda.stream(self.stats_stream):
-                snapshot = torch.cat([self.hits[row], self.budget_hist[row].flatten()]).cpu()
+        with torch.cuda.stream(self.stats_stream) if self.stats_stream is not None else contextlib.nullcontext():
+            snapshot = torch.cat([self.hits[row], self.budget_hist[row].flatten()]).cpu()
         hits, lookups = snapshot[:2].tolist()
-        return hits, lookups, budget_summary(snapshot[2:].view(self.budget_hist.shape[1:]).cpu(), self.max_entries)
+        return hits, lookups, budget_summary(snapshot[2:].view(self.budget_hist.shape[1:]), self.max_entries)
 
     def chunk_cache_stats(self) -> dict:
         """Chunk-cache hits and lookups since start (finished and running requests): the share of
