@@ -350,20 +350,21 @@ class ShadowKVPool:
         half, at = vpp // 2, torch.arange(n) % vpp
         block = torch.tensor(pages, dtype=torch.int64).repeat_interleave(vpp)[:n] * half + at % half
         side = (at >= half).long()  # 0: K memory, 1: V memory
+        in_k, in_v = (side == 0).nonzero().flatten(), (side == 1).nonzero().flatten()
         self.wait_host_writes()
         if self.h2d_stream is not None:
             self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.h2d_stream) if self.h2d_stream is not None else contextlib.nullcontext():
-            in_k = (side == 0).nonzero().flatten().to(self.device, non_blocking=True)
-            in_v = (side == 1).nonzero().flatten().to(self.device, non_blocking=True)
-            k_blocks = block[side == 0].to(self.device, non_blocking=True)
-            v_blocks = block[side == 1].to(self.device, non_blocking=True)
+            # one page-locked copy of the index tables: a pageable one would make the host wait for
+            # the step just launched (the one that compressed this segment), every compression
+            tables = to_device(torch.cat([in_k, in_v, block[in_k], block[in_v], block * 2 + side]), self.device)
+            in_k, in_v, k_blocks, v_blocks, home = tables.split([len(in_k), len(in_v), len(in_k), len(in_v), n])
             for layer in range(self.num_layers):
                 values = torch.cat([self.host_v[layer][first:first + count].to(self.device, non_blocking=True)
                                     for first, count, _ in seg.host_runs])  # runs are in chunk order
                 self.resident_k[layer][k_blocks] = values[in_k]
                 self.resident_v[layer][v_blocks] = values[in_v]
-            self.value_home[seg.chunk_slots] = (block * 2 + side).to(self.device, torch.int32, non_blocking=True)
+            self.value_home[seg.chunk_slots] = home.int()
         seg.value_pages = pages
         return True
 
