@@ -193,17 +193,27 @@ def test_step_time_is_booked_to_decode_only_steps_and_steps_with_prompt_chunks(e
     idle), by kind; it adds up to no more than the calls took, and an idle wait is no step's."""
     import time
 
-    before = engine.get_server_info()["stats"]
+    info = engine.get_server_info()
+    before, clock_before = info["stats"], info["steps"]["clock"]
     wall = 0.0
     for ids, new in (([[5] * 8, [7] * 6], 3), ([6] * 5, 1)):
         start = time.perf_counter()
         engine.generate(input_ids=ids, sampling_params={"max_new_tokens": new, "ignore_eos": True})
         wall += time.perf_counter() - start
         time.sleep(0.5)  # idle: booked to nothing
-    after = engine.get_server_info()["stats"]
+    info = engine.get_server_info()
+    after, clock = info["stats"], info["steps"]["clock"]
     delta = {k: after[k] - before[k] for k in ("decode_steps", "prefill_steps", "suffix_steps", "decode_only_step_ms",
                                                 "suffix_step_ms", "prefill_step_ms")}
     assert delta["prefill_steps"] >= 2 and delta["decode_steps"] >= 2
     assert delta["decode_only_step_ms"] > 0 and delta["prefill_step_ms"] > 0
     assert delta["suffix_steps"] == delta["suffix_step_ms"] == 0  # full attention: nothing compressed
     assert delta["decode_only_step_ms"] + delta["prefill_step_ms"] <= 1000 * wall + 5
+    # the clock by label adds up to the kinds: here prompt steps alone (the two prompts of the
+    # first call share a step) and decode-only steps, 8 + 6 + 5 prompt tokens
+    grew = {label: {f: n - clock_before.get(label, {}).get(f, 0) for f, n in shape.items()}
+            for label, shape in clock.items()}
+    assert {label for label, shape in grew.items() if shape["steps"]} == {"prefill", "decode_only"}
+    assert grew["prefill"]["steps"] == delta["prefill_steps"] and grew["prefill"]["prompt_tokens"] == 19
+    assert grew["prefill"]["ms"] == delta["prefill_step_ms"] and grew["decode_only"]["ms"] == delta["decode_only_step_ms"]
+    assert grew["prefill"]["decode_rows"] == 0 and grew["decode_only"]["decode_rows"] >= 3

@@ -29,7 +29,8 @@ def question(i: int) -> list[int]:
 
 def tier_counters(engine) -> dict:
     info = engine.get_server_info()
-    return {**info["stats"], **{k: info["shadowkv"][k] for k in ("demotions", "demoted_tokens")}}
+    clock = {f"clock {label} {f}": n for label, shape in info["steps"]["clock"].items() for f, n in shape.items()}
+    return {**info["stats"], **clock, **{k: info["shadowkv"][k] for k in ("demotions", "demoted_tokens")}}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,9 @@ def test_new_documents_demote_the_least_recently_used_and_a_question_hits_it_com
     after = tier_counters(tiny_tier)
     assert after["compressed_prefix_hits"] == mid["compressed_prefix_hits"] + 1
     assert after["suffix_steps"] == mid["suffix_steps"] + 1 and after["suffix_step_ms"] > mid["suffix_step_ms"]
+    assert after["clock suffix steps"] - mid.get("clock suffix steps", 0) == 1  # the step clock's label: alone
+    assert after["clock suffix prompt_tokens"] - mid.get("clock suffix prompt_tokens", 0) == (
+        DOC_TOKENS + 12 - out["meta_info"]["cached_tokens"])
     assert out["meta_info"]["shadowkv"]["compressed_tokens"] >= 512  # its compressed span
     assert out["meta_info"]["cached_tokens"] >= DOC_TOKENS - 8  # nothing prefilled again
     assert after["prefill_tokens"] - mid["prefill_tokens"] == DOC_TOKENS + 12 - out["meta_info"]["cached_tokens"]
@@ -126,6 +130,9 @@ def test_long_documents_asked_at_once_beyond_the_pool_are_compressed_at_prefill(
     tiny_tier.generate(input_ids=prompts, sampling_params=[GREEDY] * 4)
     after = tier_counters(tiny_tier)
     assert after["compressed_requests"] - before["compressed_requests"] >= 1
+    compressing = sum(n - before.get(k, 0) for k, n in after.items() if k.startswith("clock ") and
+                      "+compress " in k and k.endswith(" steps"))
+    assert compressing >= 1  # the step clock names the steps that compressed a prompt
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["doc", "doc", "doc", "short", "step", "step", "abort", "flush", "evict"]),

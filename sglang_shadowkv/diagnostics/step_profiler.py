@@ -3,8 +3,8 @@
 loop, its batches, CUDA graphs and overlap included.
 
 What it writes to output_dir: a Chrome trace (open in Perfetto) and a text table of the ops that
-took the most device time and host time; `summary()` is the same table as data, returned by
-/stop_profile.
+took the most device time; the summary that /stop_profile returns lists those ops as data, and
+the ops that took the most host time.
 """
 
 from __future__ import annotations
@@ -94,6 +94,12 @@ def summarize(prof: profile, steps: int, seconds: float, trace: str) -> dict:
         if on_device else None,
         "host_ms_per_step": round(sum(e.self_cpu_time_total for e in events) / 1e3 / per_step, 3),
         "sorted_by": key, "trace": trace,
-        "top_ops": [{"name": e.key, "calls": e.count, "self_device_ms": round(e.self_device_time_total / 1e3, 3),
-                     "self_host_ms": round(e.self_cpu_time_total / 1e3, 3)} for e in ops],
+        "top_ops": [_op(e) for e in ops],
+        # by host time too: a host wait (a sync, cudaMalloc/cudaFree) costs no device time
+        "top_host_ops": [_op(e) for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP_OPS]],
     }
+
+
+def _op(event) -> dict:
+    return {"name": event.key, "calls": event.count, "self_device_ms": round(event.self_device_time_total / 1e3, 3),
+            "self_host_ms": round(event.self_cpu_time_total / 1e3, 3)}

@@ -92,6 +92,7 @@ class CudaGraphRunner:
         self.replays = 0
         self.replays_by_variant: Counter[str] = Counter()
         self.capture_seconds, self.graph_bytes = 0.0, 0
+        self.capture_log: list[tuple[str, float]] = []  # (graph key, seconds) of each capture, in order
         self._pool = self._stream = None  # one memory pool and capture stream for every graph
         self._warmed: set = set()  # the shapes (warmup_shape) warmed up before a capture
         if capture:
@@ -220,20 +221,23 @@ class CudaGraphRunner:
         and lose what others freed meanwhile)."""
         backend, dev = self.backend, self.device
         start = time.perf_counter()
-        for bs, variant in keys:
-            batch = self._stand_in(bs, variant)
-            backend.begin_graph_step(batch, variant)
-            shape = warmup_shape((bs, variant))
+        for key in keys:
+            began = time.perf_counter()
+            batch = self._stand_in(*key)
+            backend.begin_graph_step(batch, key[1])
+            shape, graph = warmup_shape(key), None
             if shape in self._warmed:
                 try:
-                    self.graphs[(bs, variant)] = self._record(batch, (bs, variant), warm_up=False)
-                    continue
+                    graph = self._record(batch, key, warm_up=False)
                 except RuntimeError as err:  # something lazy the warmup would have settled
-                    logger.warning("capturing %s without a warmup failed (%s); warming it up", (bs, variant), err)
+                    logger.warning("capturing %s without a warmup failed (%s); warming it up", key, err)
                     torch.cuda.synchronize(dev)
-                    backend.begin_graph_step(batch, variant)
-            self.graphs[(bs, variant)] = self._record(batch, (bs, variant), warm_up=True)
-            self._warmed.add(shape)
+                    backend.begin_graph_step(batch, key[1])
+            if graph is None:
+                graph = self._record(batch, key, warm_up=True)
+                self._warmed.add(shape)
+            self.graphs[key] = graph
+            self.capture_log.append((str(key), round(time.perf_counter() - began, 3)))
         torch.cuda.synchronize(dev)
         seconds, before = time.perf_counter() - start, self.graph_bytes
         self.capture_seconds += seconds
@@ -273,4 +277,5 @@ class CudaGraphRunner:
     def stats(self) -> dict:
         return {"batch_sizes": self.batch_sizes, "graphs": len(self.graphs), "captured": self.capture,
                 "capture_seconds": round(self.capture_seconds, 2), "graph_bytes": int(self.graph_bytes),
-                "replays": self.replays, "replays_by_variant": dict(self.replays_by_variant)}
+                "replays": self.replays, "replays_by_variant": dict(self.replays_by_variant),
+                "capture_log": self.capture_log}

@@ -65,6 +65,31 @@ class DemotionCounters(Counters):
     demotions_abandoned: int = 0  # finished while requests kept using the span dense
 
 
+class StepClock:
+    """The step clock split by what a step held, for benchmarks that must say where serving time
+    went: a step's label is its kind (StepCounters' three) plus "+decode" when decodes ran beside
+    its prompt chunks and "+compress" when a prompt compressed at its prefill in it. Per label:
+    steps, wall ms (as StepCounters books it), prompt tokens and decode rows, so a mixed step's
+    cost per prompt token reads apart from a pure prefill's. Not in the flat stats: its labels
+    are open-ended, Prometheus's names are not."""
+
+    FIELDS = ("steps", "ms", "prompt_tokens", "decode_rows")
+
+    def __init__(self):
+        self.shapes: dict[str, dict[str, int]] = {}
+
+    def book(self, label: str, ms: int, prompt_tokens: int, decode_rows: int) -> None:
+        shape = self.shapes.setdefault(label, dict.fromkeys(self.FIELDS, 0))
+        for name, value in zip(self.FIELDS, (1, ms, prompt_tokens, decode_rows)):
+            shape[name] += value
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {label: dict(shape) for label, shape in sorted(self.shapes.items())}
+
+    def restore(self, snapshot: dict[str, dict[str, int]]) -> None:
+        self.shapes = {label: dict(shape) for label, shape in snapshot.items()}
+
+
 def merged(*owners: Counters) -> dict[str, int]:
     """One flat dict of every owner's counters (names are unique across owners)."""
     out: dict[str, int] = {}

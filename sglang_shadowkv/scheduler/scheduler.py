@@ -35,7 +35,7 @@ from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
 from .cache import CacheManager
-from .counters import Counters, StepCounters, merged
+from .counters import Counters, StepClock, StepCounters, merged
 from .decode import DecodeManager, LaunchedStep, ReqUpdate
 from .logprobs import (LogprobOptions, ReqLogprobs, prompt_logit_rows, record_output_logprobs,
                        record_prompt_logprobs)
@@ -63,6 +63,14 @@ def step_kind(prompt_items: list[StepItem]) -> str:
     return "suffix" if compressed else "prefill"
 
 
+def step_label(kind: str, decode_items: list[StepItem], prompt_items: list[StepItem]) -> str:
+    """The step's kind with what else it held (StepClock): decodes beside prompt chunks, a prompt
+    compressing at its prefill (read before the launch, which settles the compression)."""
+    label = kind + ("+decode" if decode_items and prompt_items else "")
+    return label + ("+compress" if any(it.shadowkv is not None and it.shadowkv.compress_now
+                                        for it in prompt_items) else "")
+
+
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunner | None = None):
         self.args = args
@@ -85,7 +93,8 @@ class Scheduler:
         self.decode = DecodeManager(self.cache, self.grammars, self.tokenizer, eos_ids, default_generator)
         self.overlap = not args.disable_overlap_schedule
         self.pending: LaunchedStep | None = None
-        self._last_launch: tuple[str, float] | None = None  # (its time counter, when) of the last step
+        self.step_clock = StepClock()
+        self._last_launch: tuple | None = None  # (kind, label, when, prompt tokens, decode rows) of the last step
         if self.runner.device.type == "cuda" and not args.skip_server_warmup:
             warm_up(self)
 
@@ -157,12 +166,13 @@ class Scheduler:
         decode_items, decode_reqs = self.decode.schedule()
         prefill_items, prefill_reqs = self.prefill.schedule()
         items, reqs = decode_items + prefill_items, decode_reqs + prefill_reqs
-        launched = self._launch(items, reqs) if items else None
         if items:
             kind = step_kind(prefill_items)
             self.counters.prefill_steps += kind != "decode_only"
             self.counters.suffix_steps += kind == "suffix"
-            self._last_launch = (kind + "_step_ms", now)
+            self._last_launch = (kind, step_label(kind, decode_items, prefill_items), now,
+                                 sum(it.num_new for it in prefill_items), len(decode_items))
+        launched = self._launch(items, reqs) if items else None
         if self.pending is not None:
             updates += self.decode.process(self.pending)
         self.pending = launched
@@ -172,10 +182,13 @@ class Scheduler:
         return updates
 
     def _time_last_launch(self, now: float) -> None:
-        """Book the time since the last launch to its kind of step."""
+        """Book the time since the last launch to its kind of step and its label."""
         if self._last_launch is not None:
-            name, started = self._last_launch
-            setattr(self.counters, name, getattr(self.counters, name) + round(1000 * (now - started)))
+            kind, label, started, prompt_tokens, decode_rows = self._last_launch
+            ms = round(1000 * (now - started))
+            name = kind + "_step_ms"
+            setattr(self.counters, name, getattr(self.counters, name) + ms)
+            self.step_clock.book(label, ms, prompt_tokens, decode_rows)
         self._last_launch = None
 
     def _launch(self, items: list[StepItem], reqs: list[Req]) -> LaunchedStep:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from sglang_shadowkv.mem_cache.memory_plan import documents_that_fit
 
 if TYPE_CHECKING:
@@ -22,16 +24,31 @@ def server_info(scheduler: "Scheduler") -> dict:
         "dtype": str(runner.dtype).removeprefix("torch."),
         "context_length": runner.context_length,
         "memory": scheduler.cache.memory_stats(running),
+        "allocator": allocator_stats(runner.device),
         "capacity": capacity(scheduler),
         "shadowkv": scheduler.cache.shadowkv_stats(running),
         "stats": scheduler.stats,
         "steps": {"overlap": scheduler.overlap, "schedule_policy": scheduler.args.schedule_policy,
                   "chunked_prefill_size": scheduler.chunked_prefill_size, "eager_steps": runner.eager_steps,
+                  "clock": scheduler.step_clock.as_dict(),
                   "cuda_graph": None if runner.graphs is None else runner.graphs.stats()},
         "running_requests": len(running),
         "waiting_requests": len(scheduler.prefill.waiting),
         "time": time.time(),
     }
+
+
+def allocator_stats(device) -> dict:
+    """torch's CUDA caching allocator: a retry (memory ran short, cached blocks were freed with a
+    device sync, then cudaMalloc again) or a cudaMalloc/cudaFree while serving stalls the step it
+    falls in; these counts show whether that happens (empty off a GPU)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"alloc_retries": stats.get("num_alloc_retries", 0), "device_mallocs": stats.get("num_device_alloc", 0),
+            "device_frees": stats.get("num_device_free", 0), "ooms": stats.get("num_ooms", 0),
+            "reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+            "peak_reserved_bytes": stats.get("reserved_bytes.all.peak", 0)}
 
 
 def capacity(scheduler: "Scheduler") -> dict:

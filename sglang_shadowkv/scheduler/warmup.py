@@ -19,7 +19,7 @@ def warm_up(scheduler: "Scheduler") -> None:
     """A short prompt; with ShadowKV also a document long enough to be compressed (compressed at
     its prefill whatever the policy), then a question of two 64-query tiles over it (the sparse
     suffix prefill) and its sparse decode. The cache and the counters are left as they were."""
-    saved = [(counters, counters.as_dict()) for counters in scheduler.counter_sets]
+    saved = [(counters, counters.as_dict()) for counters in [*scheduler.counter_sets, scheduler.step_clock]]
     vocab, context = scheduler.vocab_size, scheduler.context_length
     low = min(1000, vocab // 4)
     ids = [low + (i * 7919) % (vocab - 2 * low) for i in range(context)]
