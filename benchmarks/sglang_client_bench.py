@@ -18,6 +18,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,11 +61,42 @@ def server_counters(url: str) -> dict:
     out = {k: info["stats"].get(k) for k in COUNTERS if k in info["stats"]}
     graphs = info["steps"]["cuda_graph"] or {}
     out.update(eager_steps=info["steps"]["eager_steps"], graph_replays=graphs.get("replays", 0),
-               graphs=graphs.get("graphs", 0), graph_capture_seconds=graphs.get("capture_seconds", 0.0))
+               graphs=graphs.get("graphs", 0), graph_capture_seconds=graphs.get("capture_seconds", 0.0),
+               step_clock=info["steps"].get("clock", {}), graph_captures=graphs.get("capture_log", []),
+               **{f"allocator_{k}": v for k, v in info.get("allocator", {}).items()})
     if info.get("shadowkv"):
         out.update({k: info["shadowkv"][k] for k in COUNTERS if k in info["shadowkv"]})
         out["chunk_cache"] = info["shadowkv"]["chunk_cache"]
     return out
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    """What a workload added to the server's counters: numbers subtracted, the step clock per
+    label, the graphs captured during it (a log that only grows); anything else as it ends."""
+    out = {}
+    for k, v in after.items():
+        if isinstance(v, (int, float)):
+            out[k] = round(v - before[k], 2)
+        elif k == "step_clock":
+            out[k] = {label: {f: n - before[k].get(label, {}).get(f, 0) for f, n in shape.items()}
+                      for label, shape in v.items() if shape != before[k].get(label)}
+        elif k == "graph_captures":
+            out[k] = v[len(before[k]):]
+        else:
+            out[k] = v
+    return out
+
+
+def profile_window(url: str, at: float, steps: int, workdir: Path) -> threading.Thread:
+    """Start the server's profiler `at` seconds into a workload, for `steps` scheduler steps (a
+    diagnosis: the profiler slows the steps it records, so such a run's numbers do not count)."""
+    def start():
+        time.sleep(at)
+        httpx.post(url + "/start_profile", json={"num_steps": steps, "output_dir": str(workdir)}, timeout=60)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread
 
 
 def run_mode(mode: str, args, workdir: Path) -> dict:
@@ -84,21 +116,26 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
             out_file = workdir / f"{mode}_{name}.jsonl"
             cargs = client_args(WORKLOADS[name], server.url, "bench", args.tokenizer, str(out_file))
             t0 = time.perf_counter()
+            profiler = profile_window(server.url, args.profile_at, args.profile_steps, workdir) if args.profile_at else None
             try:
                 proc = subprocess.run([sys.executable, args.client, *cargs], capture_output=True, text=True,
                                       timeout=args.workload_timeout)
             except subprocess.TimeoutExpired as err:
                 proc = subprocess.CompletedProcess(err.cmd, -9, str(err.stdout or ""), f"timed out after {err.timeout} s")
+            profile = None
+            if profiler is not None:
+                profiler.join()
+                profile = httpx.post(server.url + "/stop_profile", timeout=300).json()
             after = server_counters(server.url)
             line = out_file.read_text().strip().splitlines()[-1] if out_file.exists() else "{}"
             client = json.loads(line)
             result["workloads"][name] = {
                 "client_args": cargs, "returncode": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1),
                 **{k: client.get(k) for k in METRICS},
-                "server": {k: round(after[k] - before[k], 2) if isinstance(after.get(k), (int, float)) else after.get(k)
-                           for k in after},
+                "server": counter_delta(before, after),
                 "client_tail": proc.stdout[-1500:] if proc.returncode else "",
-                "client_stderr_tail": proc.stderr[-1500:] if proc.returncode else ""}
+                "client_stderr_tail": proc.stderr[-1500:] if proc.returncode else "",
+                **({"profile": profile} if profile is not None else {})}
             print(f"{mode:9s} {name:11s} " + summary_line(result["workloads"][name]), flush=True)
     finally:
         result["server_log_tail"] = server.output()[-4000:]
@@ -158,6 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--server-flag", action="append", default=[], help="extra server flag (repeatable)")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--workload-timeout", type=float, default=300)
+    parser.add_argument("--profile-at", type=float, help="diagnosis: profile the server from this many seconds "
+                        "into each workload (its numbers then do not count); the summary goes into the report")
+    parser.add_argument("--profile-steps", type=int, default=30, help="steps a --profile-at window records")
     parser.add_argument("--merge", nargs="+", help="merge these reports (one per mode) instead of running")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)

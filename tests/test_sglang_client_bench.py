@@ -1,7 +1,7 @@
 """benchmarks/sglang_client_bench.py's report: parts run in separate device calls merge into one
 comparison, a mode's workloads gathered from every part that ran it."""
 
-from benchmarks.sglang_client_bench import merge_reports, ratios
+from benchmarks.sglang_client_bench import counter_delta, merge_reports, ratios
 
 
 def _workload(tok_s: float, ttft_ms: float) -> dict:
@@ -20,3 +20,15 @@ def test_parts_of_one_mode_merge_and_the_ratios_cover_every_workload():
     r = ratios(report)
     assert r["a"]["output_throughput"] == 0.9 and r["b"]["output_throughput"] == 2.0
     assert r["b"]["median_ttft_ms"] == 0.5 and r["a"]["p99_ttft_ms"] == 1.1
+
+
+def test_a_workloads_counters_are_what_it_added_the_step_clock_per_label_and_the_captures_after_it():
+    before = {"decode_steps": 5, "step_clock": {"prefill": {"steps": 2, "ms": 30}, "decode_only": {"steps": 4, "ms": 8}},
+              "graph_captures": [["(1, 512)", 0.3]], "chunk_cache": {"hits": 1}}
+    after = {"decode_steps": 9, "step_clock": {"prefill": {"steps": 5, "ms": 90}, "decode_only": {"steps": 4, "ms": 8},
+                                               "suffix": {"steps": 1, "ms": 7}},
+             "graph_captures": [["(1, 512)", 0.3], ["(8, 512)", 0.2]], "chunk_cache": {"hits": 3}}
+    delta = counter_delta(before, after)
+    assert delta["decode_steps"] == 4
+    assert delta["step_clock"] == {"prefill": {"steps": 3, "ms": 60}, "suffix": {"steps": 1, "ms": 7}}
+    assert delta["graph_captures"] == [["(8, 512)", 0.2]] and delta["chunk_cache"] == {"hits": 3}

@@ -132,11 +132,16 @@ class LiveServer:
         return sorted(kids, key=lambda p: p.create_time())
 
     def kill_group(self) -> None:
+        """Kill the server and its children, and wait until every one has exited: a GPU's memory
+        comes back only then, and a server started next would otherwise find it taken."""
         try:
             os.killpg(self.pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while self.group() and time.monotonic() < deadline:
+            time.sleep(0.1)
         self.log.close()
 
     def __enter__(self) -> "LiveServer":
