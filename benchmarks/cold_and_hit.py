@@ -6,15 +6,20 @@ Per context L (tokens of a random document; at the context length, what leaves r
   prefill; ShadowKV: the same prefill plus the compression of the document);
 - `hit`: another question on the cached document (full: a dense prefix hit; ShadowKV: a hit on
   the compressed document, its sparse suffix prefill);
-- `hit_x16`: 16 questions at once on it, until the last first token.
+- `hit_x16`: 16 questions at once on it, until the last first token;
+- `cold_beside_decodes`: another cold document (and question) sent while 8 questions on the cached
+  one decode, until its first token: what a chat's first turns meet (ShadowKV compresses it in a
+  step beside sparse decodes); the step clock's labels over it go into the JSON
+  (`cold_beside_clock`), so the step that compresses reads apart from the others.
 The first hit and the first 16 at once of a shape may capture a CUDA graph (on first use): they are
 timed apart (`first_hit`, `first_hit_x16`); `hit` is the median of the next three, `hit_x16` the
 next 16.
 ShadowKV runs `--shadowkv-compress-policy eager`, so the document is compressed at its prefill
 (at the default policy, `tier`, it would stay dense and be served as full attention serves it:
 that path is full attention's). With `--profile`, torch.profiler then runs around another ShadowKV cold
-request, a hit and 16 hits at once (not the timed ones), and the top ops by device and by host time go into the JSON: where the time goes;
-and `host_syncs` counts, for a hit, 16 hits and a cold request, the places where the engine waited for the device.
+request, a hit, 16 hits at once and a cold request beside decodes (not the timed ones), and the top ops by device and
+by host time go into the JSON: where the time goes; and `host_syncs` counts, for the same four, the places where the
+engine waited for the device.
 Each mode runs in its own process (one GPU's memory each), then the two are compared.
 
     python benchmarks/cold_and_hit.py --model-path random:llama-3.1-8b --tokenizer-path DIR --profile
@@ -37,6 +42,7 @@ import warnings
 
 QUESTION_TOKENS = 64
 CONCURRENT_QUESTIONS = 16
+BESIDE_DECODES = 8  # questions on the cached document decoding while a cold one arrives
 HIT_REPEATS = 3  # hits timed after the first (their median)
 
 
@@ -64,19 +70,49 @@ def _top_ops(prof, key: str, n: int = 20) -> list[dict]:
     return [{"op": e.key[:80], "ms": getattr(e, key) / 1e3, "calls": e.count} for e in rows]
 
 
-def _profiled(engine, prompts: list[list[int]]) -> tuple[float, dict]:
+def _cold_beside_decodes(engine, cold_prompt: list[int], decoding_prompts: list[list[int]],
+                         decode_tokens: int = 256) -> dict:
+    """A cold prompt's time to first token while the decoding prompts decode (up to decode_tokens
+    each: a decode advances one token per step, the cold prompt's chunks included, so a few
+    hundred outlast its prefill, and their reservations leave the pool room for it): they are
+    admitted first and have their first tokens before it arrives; they are aborted once it has
+    its own. Returns the seconds and the step clock over them (by label)."""
+    from sglang_shadowkv.sampling_params import SamplingParams
+
+    sched = engine.scheduler
+    decoding = [sched.add_request(f"beside-{i}", p, SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True))
+                for i, p in enumerate(decoding_prompts)]
+    while not all(r.first_token_time for r in decoding):
+        sched.step()
+    before = sched.step_clock.as_dict()
+    cold = sched.add_request("beside-cold", cold_prompt, SamplingParams(max_new_tokens=1))
+    while cold.first_token_time is None:
+        sched.step()
+    seconds = cold.first_token_time - cold.created
+    clock = {label: {f: n - before.get(label, {}).get(f, 0) for f, n in shape.items()}
+             for label, shape in sched.step_clock.as_dict().items() if shape != before.get(label)}
+    for r in decoding:
+        sched.abort(r.rid)
+    while sched.has_work:
+        sched.step()
+    return {"seconds": seconds, "clock": clock}
+
+
+def _profiled(engine, run) -> dict:
+    """The top ops by device and by host time while run() serves its requests."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = engine.scheduler.runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        seconds = _timed(engine, prompts)
+        run()
+        _device_sync(engine)()
     device_key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return seconds, {"device_top": _top_ops(prof, device_key), "host_top": _top_ops(prof, "self_cpu_time_total")}
+    return {"device_top": _top_ops(prof, device_key), "host_top": _top_ops(prof, "self_cpu_time_total")}
 
 
-def _host_syncs(engine, prompts: list[list[int]]) -> dict[str, int]:
-    """Where the engine waits for the device while serving these prompts: torch's sync debug mode
+def _host_syncs(engine, run) -> dict[str, int]:
+    """Where the engine waits for the device while run() serves its requests: torch's sync debug mode
     warns at every implicit synchronisation (.item(), .tolist(), a copy to pageable memory), and the
     innermost frame of this package at each warning is counted."""
     import torch
@@ -96,7 +132,7 @@ def _host_syncs(engine, prompts: list[list[int]]) -> dict[str, int]:
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            _timed(engine, prompts)
+            run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return dict(sorted(sites.items(), key=lambda kv: -kv[1]))
@@ -126,25 +162,36 @@ def run_mode(args) -> dict:
             batches = questions[2 + HIT_REPEATS:2 + HIT_REPEATS + CONCURRENT_QUESTIONS], questions[-CONCURRENT_QUESTIONS:]
             first_hit_x16 = _timed(engine, [doc + q for q in batches[0]])
             hit_x16 = _timed(engine, [doc + q for q in batches[1]])
+            beside_prompts = [doc + q for q in batches[0][:BESIDE_DECODES]]
+
+            def beside(tag: int):  # each time a document nobody sent before
+                return _cold_beside_decodes(engine, _tokens(rng, len(doc), vocab) + questions[tag], beside_prompts)
+
+            cold_beside = beside(0)
             info = engine.get_server_info()
             graphs = info["steps"].get("cuda_graph") or {}
             row = {"context": context, "cold_s": cold, "hit_s": hit, "hit_x16_s": hit_x16,
                    "first_hit_s": first_hit, "first_hit_x16_s": first_hit_x16,
+                   "cold_beside_decodes_s": cold_beside["seconds"], "cold_beside_clock": cold_beside["clock"],
                    "compressed_prefix_hits": info["stats"].get("compressed_prefix_hits"),
                    "graph_replays_by_variant": graphs.get("replays_by_variant"),
                    "graph_capture_seconds": graphs.get("capture_seconds"), "graph_bytes": graphs.get("graph_bytes")}
             if args.profile and args.mode == "shadowkv":  # again, profiled (the timings above are not)
                 engine.flush_cache()
-                row["profile"] = {"cold": _profiled(engine, [doc + questions[0]])[1],
-                                  "hit": _profiled(engine, [doc + questions[2]])[1],
-                                  "hit_x16": _profiled(engine, [doc + q for q in batches[1]])[1],
-                                  "host_syncs": {"hit": _host_syncs(engine, [doc + questions[3]]),
-                                                 "hit_x16": _host_syncs(engine, [doc + q for q in batches[0]])}}
+                row["profile"] = {"cold": _profiled(engine, lambda: _timed(engine, [doc + questions[0]])),
+                                  "hit": _profiled(engine, lambda: _timed(engine, [doc + questions[2]])),
+                                  "hit_x16": _profiled(engine, lambda: _timed(engine, [doc + q for q in batches[1]])),
+                                  "cold_beside": _profiled(engine, lambda: beside(1)),
+                                  "host_syncs": {
+                                      "hit": _host_syncs(engine, lambda: _timed(engine, [doc + questions[3]])),
+                                      "hit_x16": _host_syncs(engine, lambda: _timed(engine, [doc + q for q in batches[0]])),
+                                      "cold_beside": _host_syncs(engine, lambda: beside(2))}}
                 engine.flush_cache()
-                row["profile"]["host_syncs"]["cold"] = _host_syncs(engine, [doc + questions[0]])
+                row["profile"]["host_syncs"]["cold"] = _host_syncs(engine, lambda: _timed(engine, [doc + questions[0]]))
             rows.append(row)
             print(f"[{args.mode}] {context:>7}: cold {cold:.3f} s, hit {hit * 1e3:.1f} ms (first {first_hit * 1e3:.0f}), "
-                  f"16 hits {hit_x16 * 1e3:.1f} ms (first {first_hit_x16 * 1e3:.0f})", flush=True)
+                  f"16 hits {hit_x16 * 1e3:.1f} ms (first {first_hit_x16 * 1e3:.0f}), "
+                  f"cold beside {BESIDE_DECODES} decodes {cold_beside['seconds']:.3f} s", flush=True)
         info = engine.get_server_info()
         return {"mode": args.mode, "device": info.get("device"), "rows": rows}
 
@@ -157,7 +204,8 @@ def compare(modes: dict) -> list[dict]:
     out = []
     for f, s in zip(full["rows"], skv["rows"]):
         out.append({"context": f["context"], **{k.replace("_s", ""): s[k] / f[k]
-                                                for k in ("cold_s", "hit_s", "hit_x16_s", "first_hit_s")}})
+                                                for k in ("cold_s", "hit_s", "hit_x16_s", "first_hit_s",
+                                                          "cold_beside_decodes_s")}})
     return out
 
 
@@ -191,9 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
                   "modes": modes, "shadowkv_over_full": compare(modes)}
         with open(out, "w") as f:  # after each mode: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
-    print(f"{'context':>8} | ShadowKV / full: cold | hit | 16 hits")
+    print(f"{'context':>8} | ShadowKV / full: cold | hit | 16 hits | cold beside decodes")
     for r in report["shadowkv_over_full"]:
-        print(f"{r['context']:>8} | {r['cold']:.2f} | {r['hit']:.2f} | {r['hit_x16']:.2f}")
+        print(f"{r['context']:>8} | {r['cold']:.2f} | {r['hit']:.2f} | {r['hit_x16']:.2f} | {r['cold_beside_decodes']:.2f}")
     return report
 
 

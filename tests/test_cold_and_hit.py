@@ -1,0 +1,25 @@
+"""benchmarks/cold_and_hit.py's cold document beside decodes: the decodes run before and while the
+cold prompt is served, the step clock over it names the step that compressed it beside them, and
+the decodes end (aborted) with nothing left held."""
+
+from benchmarks.cold_and_hit import _cold_beside_decodes
+from sglang_shadowkv import Engine
+
+TINY = dict(attention="shadowkv", shadowkv_compress_policy="eager", shadowkv_min_context=256,
+            shadowkv_local_window=16, shadowkv_rank_cap=8, shadowkv_outliers=2, shadowkv_max_budget=32,
+            shadowkv_min_budget_chunks=8, chunked_prefill_size=256, check_integrity=True)
+
+
+def test_a_cold_document_beside_decodes_is_timed_and_its_compressing_step_labelled(tiny_model_path):
+    doc = [2 + (j * 7) % 500 for j in range(600)]
+    cold = [3 + (j * 11) % 500 for j in range(600)]
+    with Engine(model_path=tiny_model_path, max_total_tokens=4000, **TINY) as engine:
+        engine.generate(input_ids=doc + [5] * 8, sampling_params={"max_new_tokens": 1})  # cached, compressed
+        out = _cold_beside_decodes(engine, cold + [6] * 8, [doc + [7 + i] * 8 for i in range(3)])
+        sched = engine.scheduler
+        assert out["seconds"] > 0
+        labels = set(out["clock"])
+        assert "prefill+decode+compress" in labels  # its last chunk, compressed beside the decodes
+        assert sum(shape["decode_rows"] for shape in out["clock"].values()) >= 3
+        assert not sched.has_work and not sched.running
+        sched.cache.check_integrity([])  # the aborted decodes left no page or row behind
