@@ -14,6 +14,9 @@ cd "$(dirname "$0")/../.." || exit 1  # the repository root
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 MAX_JOBS=16
 install() {
+  # a fresh machine (the last one went back after 30 s idle) has no FlashInfer: without it the
+  # server runs the Triton backend and every number is off, so stop before spending device time
+  [ -d /tmp/site/flashinfer ] || { echo "FlashInfer is not installed on this machine: run install1 (carry .whl-fi1) first"; exit 3; }
   [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     .whl-fi2/*.whl .whl-srv/*.whl .whl-bench/*.whl .whl-test/*.whl
 }
