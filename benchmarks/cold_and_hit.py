@@ -78,6 +78,7 @@ def _cold_beside_decodes(engine, cold_prompt: list[int], decoding_prompts: list[
     admitted first and have their first tokens before it arrives; they are aborted once it has
     its own. Returns the seconds and the step clock over them (by label)."""
     from sglang_shadowkv.sampling_params import SamplingParams
+    from sglang_shadowkv.scheduler.counters import clock_since
 
     sched = engine.scheduler
     decoding = [sched.add_request(f"beside-{i}", p, SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True))
@@ -89,8 +90,7 @@ def _cold_beside_decodes(engine, cold_prompt: list[int], decoding_prompts: list[
     while cold.first_token_time is None:
         sched.step()
     seconds = cold.first_token_time - cold.created
-    clock = {label: {f: n - before.get(label, {}).get(f, 0) for f, n in shape.items()}
-             for label, shape in sched.step_clock.as_dict().items() if shape != before.get(label)}
+    clock = clock_since(before, sched.step_clock.as_dict())
     for r in decoding:
         sched.abort(r.rid)
     while sched.has_work:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from sglang_shadowkv.scheduler.counters import clock_since
 from sglang_shadowkv.testing.live_server import LiveServer
 
 # name: generated-shared-prefix workload (the cases; 'chat' turns hold one concurrency slot each)
@@ -78,8 +79,7 @@ def counter_delta(before: dict, after: dict) -> dict:
         if isinstance(v, (int, float)):
             out[k] = round(v - before[k], 2)
         elif k == "step_clock":
-            out[k] = {label: {f: n - before[k].get(label, {}).get(f, 0) for f, n in shape.items()}
-                      for label, shape in v.items() if shape != before[k].get(label)}
+            out[k] = clock_since(before[k], v)
         elif k == "graph_captures":
             out[k] = v[len(before[k]):]
         else:

@@ -90,6 +90,13 @@ class StepClock:
         self.shapes = {label: dict(shape) for label, shape in snapshot.items()}
 
 
+def clock_since(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """What the steps between two StepClock snapshots (as_dict, server_info's steps.clock) added,
+    per label that changed."""
+    return {label: {f: n - before.get(label, {}).get(f, 0) for f, n in shape.items()}
+            for label, shape in after.items() if shape != before.get(label)}
+
+
 def merged(*owners: Counters) -> dict[str, int]:
     """One flat dict of every owner's counters (names are unique across owners)."""
     out: dict[str, int] = {}

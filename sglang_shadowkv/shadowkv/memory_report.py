@@ -12,6 +12,7 @@ def request_report(store: ShadowKVPool, decoder: SparseDecoder, layout: Compress
                    dense_tokens: int, kv_bytes_per_token: int, seq_len: int) -> dict:
     """dense_tokens: tokens the request holds in dense pages (window, outputs, dense prefix)."""
     hits, lookups, budget = decoder.row_stats(row)
+    segment_ranks = [list(seg.settle_ranks()) for seg in layout.segments]
     sizes: dict[str, int] = {}
     for seg, n in zip(layout.segments, layout.segment_chunks):
         for key, value in store.segment_bytes(seg, n).items():
@@ -22,8 +23,8 @@ def request_report(store: ShadowKVPool, decoder: SparseDecoder, layout: Compress
     return {
         "compressed_tokens": layout.num_chunks * store.chunk_size,
         "segments": len(layout.segments),
-        "ranks": list(layout.segments[0].settle_ranks()),  # per layer, of its first segment
-        "segment_ranks": [list(seg.settle_ranks()) for seg in layout.segments],
+        "ranks": segment_ranks[0],  # per layer, of its first segment
+        "segment_ranks": segment_ranks,
         "budget": budget,  # chunks selected per KV head and step, per layer
         "outliers_per_head": layout.num_outliers,
         "dense_kv_bytes": dense,
