@@ -27,10 +27,15 @@ def plan_chunk_cache(held: torch.Tensor, selected: torch.Tensor):
     hit_entry = order.gather(1, pos)
     kept = torch.zeros(n, k + 1, dtype=torch.int32, device=held.device)
     kept.scatter_add_(1, torch.where(hit, hit_entry, k), torch.ones_like(hit_entry, dtype=torch.int32))
-    free_first = kept[:, :k].bool().int().argsort(dim=1, stable=True)  # entries no hit needs, first
+    # the entries no hit needs, in order (free_entries[:, j]: the j-th), by a cumsum and a scatter:
+    # a stable argsort did the same with a radix sort per layer and step
+    free = kept[:, :k] == 0
+    free_rank = torch.where(free, free.int().cumsum(1) - 1, k)
+    free_entries = torch.zeros(n, k + 1, dtype=torch.int64, device=held.device)
+    free_entries.scatter_(1, free_rank.long(), torch.arange(k, device=held.device).expand(n, k).contiguous())
     miss = valid & ~hit
     miss_rank = (miss.int().cumsum(1) - 1).clamp(min=0)
-    target = free_first.gather(1, miss_rank)
+    target = free_entries.gather(1, miss_rank)
     entries = torch.where(hit, hit_entry, torch.where(miss, target, -1))
     scatter_at = torch.where(miss, target, k)  # column k is a dump for non-misses
     jobs = torch.full((n, k + 1), -1, dtype=held.dtype, device=held.device)
