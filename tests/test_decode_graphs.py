@@ -15,6 +15,7 @@ from conftest import assert_pool_clean
 from test_shadowkv import (SHADOW_ENGINE, assert_shadow_pools_clean, document_and_questions, greedy_answers,
                            long_prompt)
 
+from sglang_shadowkv.layers.attention.shadowkv_backend import graph_widths
 from sglang_shadowkv.model_executor.cuda_graph_runner import graph_batch_sizes, pool_bytes, warmup_shape
 from sglang_shadowkv.sampling_params import SamplingParams
 
@@ -46,6 +47,15 @@ def test_graph_batch_sizes_cover_every_batch():
     sizes = graph_batch_sizes(40)
     assert sizes == [1, 2, 4, 8, 12, 16, 24, 32, 40]
     assert graph_batch_sizes(3) == [1, 2, 3] and graph_batch_sizes(1) == [1]
+
+
+def test_sparse_graph_widths_waste_at_most_a_quarter_past_2048_chunks():
+    widths = graph_widths(16384)
+    assert widths[:4] == [256, 512, 1024, 2048] and widths[-1] == 16384 and widths == sorted(set(widths))
+    for need in (2049, 2600, 3000, 4097, 9000, 16384):
+        width = next(w for w in widths if w >= need)
+        assert width <= 1.25 * need  # a power-of-two ladder gave 4096 columns to a 2049-chunk document
+    assert graph_widths(300) == [256, 300]  # the largest is the decoder's own
 
 
 def test_graph_memory_counts_only_the_graph_pool_segments():
