@@ -16,6 +16,8 @@ import triton.language as tl
 
 from sglang_shadowkv.kernels.sparse_decode_attention import program_rows
 
+SCORE_QUERY_BLOCK = 16  # queries per program of the tile scoring kernels (their [rows, BLOCK_N] logits stay small)
+
 
 def landmark_logits_reference(q, landmarks, chunk_slots, selectable, sm_scale, scale=None):
     """q [B, Hq, D]; landmarks [S, Hkv, D]; chunk_slots [B, N] int; selectable [S, Hkv] int8;
@@ -185,7 +187,7 @@ def tile_landmark_mass(q, q_valid, landmarks, chunk_slots, selectable, sm_scale,
         return torch.full((r, h, n), -1.0, device=q.device)
     if scale is not None and scale.stride(1) != 1:
         raise ValueError("scale must be contiguous over KV heads")
-    query_block, group_pad = program_rows(t, group)
+    query_block, group_pad = program_rows(t, group, SCORE_QUERY_BLOCK)
     q_blocks, n_blocks, rows = triton.cdiv(t, query_block), triton.cdiv(n, block_n), query_block * group_pad
     common = (q, landmarks, chunk_slots, selectable, selectable if scale is None else scale)  # (SCALE unread if unscaled)
     strides = (q.stride(0), q.stride(1), q.stride(2), landmarks.stride(0), landmarks.stride(1), chunk_slots.stride(0),

@@ -26,14 +26,18 @@ import triton.language as tl
 
 from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_blocks
 
-TILE_QUERY_BLOCK = 16  # queries of a tile per program: 16 queries x 4 heads = 64 rows of a dot
+# queries of a tile per program: 32 queries x 4 heads = 128 rows of a dot, on 8 warps. On the H100
+# (bench_kernels key_splits shapes) 16 queries on 4 warps took 680 µs a layer for 16 tiles of 64
+# queries against 511 (one tile: 65 against 52 µs); decode programs (16 rows) keep 4 warps
+TILE_QUERY_BLOCK = 32
+WIDE_PROGRAM_ROWS = 128  # a program with this many dot rows runs on 8 warps
 
 
-def program_rows(queries: int, group: int) -> tuple[int, int]:
-    """(queries, heads) a program's dot rows cover: up to TILE_QUERY_BLOCK of a request's queries
+def program_rows(queries: int, group: int, max_query_block: int = TILE_QUERY_BLOCK) -> tuple[int, int]:
+    """(queries, heads) a program's dot rows cover: up to max_query_block of a request's queries
     times its KV group's query heads, the heads padded to a power of two and so that the dot has
     at least 16 rows (tl.dot's least: one decode query pads its heads to 16)."""
-    query_block = min(TILE_QUERY_BLOCK, triton.next_power_of_2(queries))
+    query_block = min(max_query_block, triton.next_power_of_2(queries))
     return query_block, max(triton.next_power_of_2(group), triton.cdiv(16, query_block))
 
 
@@ -228,7 +232,8 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
         scratch_pages.stride(0), entries.stride(0), entries.stride(1),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), dest.stride(-3), dest.stride(-2),
         queries_per_request, lse is not None or splits > 1, splits, GROUP=group, GROUP_PAD=group_pad,
-        QUERY_BLOCK=query_block, HEAD_DIM=d, CHUNK=chunk, CHUNKS_PER_BLOCK=chunks_per_key_block(chunk), BLOCK_W=32)
+        QUERY_BLOCK=query_block, HEAD_DIM=d, CHUNK=chunk, CHUNKS_PER_BLOCK=chunks_per_key_block(chunk), BLOCK_W=32,
+        num_warps=8 if query_block * group_pad >= WIDE_PROGRAM_ROWS else 4)
     if splits > 1:
         _merge_splits_kernel[(n * hq,)](part_out, part_lse, out, part_lse if lse is None else lse, n * hq, hq,
                                         out.stride(0), out.stride(1), splits, lse is not None,
