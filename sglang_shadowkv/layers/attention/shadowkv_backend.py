@@ -46,11 +46,10 @@ class SpanCompression:
 
 def graph_widths(max_chunks: int) -> list[int]:
     """Chunk widths of the sparse graphs: 256, 512, 1024, then GRAPH_WIDTHS_PER_OCTAVE steps per
-    doubling (2048, 2560, 3072, 3584, 4096, 5120, ...), and max_chunks. A step's scoring and
-    selection cost follows its width, so a document just past a power of two (a 16K document plus
-    a chat template: 2049 chunks) pays 1.25x its chunks, not 2x (its questions at 16K took 50 ms
-    on 4096 columns against 27 ms on 2048 on the H200); graphs are captured on first use, so only
-    the widths serving meets cost capture time."""
+    doubling (2048, 2560, 3072, 3584, 4096, 5120, ...), and max_chunks. A step scores and ranks
+    every column of its width, so a document just past a power of two (a 16K document plus a chat
+    template: 2049 chunks) scores at most 1.25x its chunks, not 2x; graphs are captured on first
+    use, so only the widths serving meets cost capture time."""
     widths, w = [], MIN_GRAPH_CHUNK_COLUMNS
     while w < max_chunks:
         widths.append(w)
