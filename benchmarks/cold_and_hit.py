@@ -10,14 +10,18 @@ Per context L (tokens of a random document; at the context length, what leaves r
 - `cold_beside_decodes`: another cold document (and question) sent while 8 questions on the cached
   one decode, until its first token: what a chat's first turns meet (ShadowKV compresses it in a
   step beside sparse decodes); the step clock's labels over it go into the JSON
-  (`cold_beside_clock`), so the step that compresses reads apart from the others.
+  (`cold_beside_clock`), so the step that compresses reads apart from the others;
+- `decode_x16`: 16 questions on the cached document decoding 64 tokens each: the device time of a
+  decode step (full: dense graphs; ShadowKV: sparse decode graphs), per step from the step clock
+  (`decode_x16_step_ms`).
 The first hit and the first 16 at once of a shape may capture a CUDA graph (on first use): they are
 timed apart (`first_hit`, `first_hit_x16`); `hit` is the median of the next three, `hit_x16` the
 next 16.
 ShadowKV runs `--shadowkv-compress-policy eager`, so the document is compressed at its prefill
 (at the default policy, `tier`, it would stay dense and be served as full attention serves it:
 that path is full attention's). With `--profile`, torch.profiler then runs around another ShadowKV cold
-request, a hit, 16 hits at once and a cold request beside decodes (not the timed ones), and the top ops by device and
+request, a hit, 16 hits at once, a cold request beside decodes and 16 decoding questions (not the timed ones; in both
+modes for the decodes), and the top ops by device and
 by host time go into the JSON: where the time goes; and `host_syncs` counts, for the same four, the places where the
 engine waited for the device.
 Each mode runs in its own process (one GPU's memory each), then the two are compared.
@@ -98,8 +102,20 @@ def _cold_beside_decodes(engine, cold_prompt: list[int], decoding_prompts: list[
     return {"seconds": seconds, "clock": clock}
 
 
-def _profiled(engine, run) -> dict:
-    """The top ops by device and by host time while run() serves its requests."""
+def _decode_steps(engine, prompts: list[list[int]], tokens: int = 64) -> dict:
+    """The prompts decode `tokens` tokens each at once; the step clock's decode-only steps over them."""
+    from sglang_shadowkv.scheduler.counters import clock_since
+
+    sched = engine.scheduler
+    before = sched.step_clock.as_dict()
+    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": tokens, "ignore_eos": True})
+    decode = clock_since(before, sched.step_clock.as_dict()).get("decode_only", {"steps": 0, "ms": 0})
+    # None when no step was decode-only (at 128K the 16 do not fit at once: a prompt chunk joins every step)
+    return {"steps": decode["steps"], "step_ms": decode["ms"] / decode["steps"] if decode["steps"] else None}
+
+
+def _profiled(engine, run, ops: int = 20) -> dict:
+    """The top `ops` ops by device and by host time while run() serves its requests."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = engine.scheduler.runner.device.type == "cuda"
@@ -108,7 +124,7 @@ def _profiled(engine, run) -> dict:
         run()
         _device_sync(engine)()
     device_key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return {"device_top": _top_ops(prof, device_key), "host_top": _top_ops(prof, "self_cpu_time_total")}
+    return {"device_top": _top_ops(prof, device_key, ops), "host_top": _top_ops(prof, "self_cpu_time_total", ops)}
 
 
 def _host_syncs(engine, run) -> dict[str, int]:
@@ -167,15 +183,22 @@ def run_mode(args) -> dict:
             def beside(tag: int):  # each time a document nobody sent before
                 return _cold_beside_decodes(engine, _tokens(rng, len(doc), vocab) + questions[tag], beside_prompts)
 
+            _decode_steps(engine, beside_prompts, tokens=8)  # captures the graphs of the decodes beside
             cold_beside = beside(0)
+            _decode_steps(engine, [doc + q for q in batches[0]], tokens=8)  # and of 16 decoding
+            decode = _decode_steps(engine, [doc + q for q in batches[1]])
             info = engine.get_server_info()
             graphs = info["steps"].get("cuda_graph") or {}
             row = {"context": context, "cold_s": cold, "hit_s": hit, "hit_x16_s": hit_x16,
                    "first_hit_s": first_hit, "first_hit_x16_s": first_hit_x16,
                    "cold_beside_decodes_s": cold_beside["seconds"], "cold_beside_clock": cold_beside["clock"],
+                   "decode_x16_step_ms": decode["step_ms"], "decode_x16_steps": decode["steps"],
                    "compressed_prefix_hits": info["stats"].get("compressed_prefix_hits"),
                    "graph_replays_by_variant": graphs.get("replays_by_variant"),
                    "graph_capture_seconds": graphs.get("capture_seconds"), "graph_bytes": graphs.get("graph_bytes")}
+            if args.profile:
+                row["decode_x16_profile"] = _profiled(
+                    engine, lambda: _decode_steps(engine, [doc + q for q in batches[1]]), ops=40)
             if args.profile and args.mode == "shadowkv":  # again, profiled (the timings above are not)
                 engine.flush_cache()
                 row["profile"] = {"cold": _profiled(engine, lambda: _timed(engine, [doc + questions[0]])),
@@ -191,7 +214,8 @@ def run_mode(args) -> dict:
             rows.append(row)
             print(f"[{args.mode}] {context:>7}: cold {cold:.3f} s, hit {hit * 1e3:.1f} ms (first {first_hit * 1e3:.0f}), "
                   f"16 hits {hit_x16 * 1e3:.1f} ms (first {first_hit_x16 * 1e3:.0f}), "
-                  f"cold beside {BESIDE_DECODES} decodes {cold_beside['seconds']:.3f} s", flush=True)
+                  f"cold beside {BESIDE_DECODES} decodes {cold_beside['seconds']:.3f} s, "
+                  f"decode step of 16 {decode['step_ms'] or 0:.1f} ms", flush=True)
         info = engine.get_server_info()
         return {"mode": args.mode, "device": info.get("device"), "rows": rows}
 
@@ -203,9 +227,9 @@ def compare(modes: dict) -> list[dict]:
         return []
     out = []
     for f, s in zip(full["rows"], skv["rows"]):
-        out.append({"context": f["context"], **{k.replace("_s", ""): s[k] / f[k]
+        out.append({"context": f["context"], **{k.rsplit("_", 1)[0]: s[k] / f[k] if s[k] and f[k] else None
                                                 for k in ("cold_s", "hit_s", "hit_x16_s", "first_hit_s",
-                                                          "cold_beside_decodes_s")}})
+                                                          "cold_beside_decodes_s", "decode_x16_step_ms")}})
     return out
 
 
@@ -239,9 +263,10 @@ def main(argv: list[str] | None = None) -> dict:
                   "modes": modes, "shadowkv_over_full": compare(modes)}
         with open(out, "w") as f:  # after each mode: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
-    print(f"{'context':>8} | ShadowKV / full: cold | hit | 16 hits | cold beside decodes")
+    print(f"{'context':>8} | ShadowKV / full: cold | hit | 16 hits | cold beside decodes | decode step of 16")
     for r in report["shadowkv_over_full"]:
-        print(f"{r['context']:>8} | {r['cold']:.2f} | {r['hit']:.2f} | {r['hit_x16']:.2f} | {r['cold_beside_decodes']:.2f}")
+        print(" | ".join([f"{r['context']:>8}"] + [f"{r[k]:.2f}" if r[k] else "-" for k in
+                                                   ("cold", "hit", "hit_x16", "cold_beside_decodes", "decode_x16_step")]))
     return report
 
 

@@ -2,7 +2,7 @@
 cold prompt is served, the step clock over it names the step that compressed it beside them, and
 the decodes end (aborted) with nothing left held."""
 
-from benchmarks.cold_and_hit import _cold_beside_decodes
+from benchmarks.cold_and_hit import _cold_beside_decodes, _decode_steps
 from sglang_shadowkv import Engine
 
 TINY = dict(attention="shadowkv", shadowkv_compress_policy="eager", shadowkv_min_context=256,
@@ -23,3 +23,14 @@ def test_a_cold_document_beside_decodes_is_timed_and_its_compressing_step_labell
         assert sum(shape["decode_rows"] for shape in out["clock"].values()) >= 3
         assert not sched.has_work and not sched.running
         sched.cache.check_integrity([])  # the aborted decodes left no page or row behind
+
+
+def test_decode_steps_reads_the_decode_only_steps_of_its_prompts(tiny_model_path):
+    doc = [2 + (j * 7) % 500 for j in range(600)]
+    with Engine(model_path=tiny_model_path, max_total_tokens=4000, **TINY) as engine:
+        engine.generate(input_ids=doc + [5] * 8, sampling_params={"max_new_tokens": 1})  # cached, compressed
+        out = _decode_steps(engine, [doc + [7 + i] * 8 for i in range(3)], tokens=6)
+        # the first token comes from the prompt's step, the next five from decode-only steps
+        # (overlap: one more may be launched before the stop is seen)
+        assert 5 <= out["steps"] <= 6
+        assert out["step_ms"] > 0
