@@ -64,6 +64,7 @@ def server_counters(url: str) -> dict:
     out.update(eager_steps=info["steps"]["eager_steps"], graph_replays=graphs.get("replays", 0),
                graphs=graphs.get("graphs", 0), graph_capture_seconds=graphs.get("capture_seconds", 0.0),
                step_clock=info["steps"].get("clock", {}), graph_captures=graphs.get("capture_log", []),
+               graph_replays_by_variant=graphs.get("replays_by_variant", {}),
                **{f"allocator_{k}": v for k, v in info.get("allocator", {}).items()})
     if info.get("shadowkv"):
         out.update({k: info["shadowkv"][k] for k in COUNTERS if k in info["shadowkv"]})
@@ -73,11 +74,14 @@ def server_counters(url: str) -> dict:
 
 def counter_delta(before: dict, after: dict) -> dict:
     """What a workload added to the server's counters: numbers subtracted, the step clock per
-    label, the graphs captured during it (a log that only grows); anything else as it ends."""
+    label, graph replays per variant, the graphs captured during it (a log that only grows);
+    anything else as it ends."""
     out = {}
     for k, v in after.items():
         if isinstance(v, (int, float)):
             out[k] = round(v - before[k], 2)
+        elif k == "graph_replays_by_variant":
+            out[k] = {variant: n - before[k].get(variant, 0) for variant, n in v.items() if n != before[k].get(variant, 0)}
         elif k == "step_clock":
             out[k] = clock_since(before[k], v)
         elif k == "graph_captures":

@@ -217,3 +217,34 @@ def test_step_time_is_booked_to_decode_only_steps_and_steps_with_prompt_chunks(e
     assert grew["prefill"]["steps"] == delta["prefill_steps"] and grew["prefill"]["prompt_tokens"] == 19
     assert grew["prefill"]["ms"] == delta["prefill_step_ms"] and grew["decode_only"]["ms"] == delta["decode_only_step_ms"]
     assert grew["prefill"]["decode_rows"] == 0 and grew["decode_only"]["decode_rows"] >= 3
+    assert all(shape["device_ms"] == 0 for shape in clock.values())  # CUDA events time steps on a GPU only
+
+
+class _FakeEvent:
+    def __init__(self, done: bool, at_ms: float = 0.0):
+        self.done, self.at_ms = done, at_ms
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        return end.at_ms - self.at_ms
+
+
+def test_device_step_times_are_booked_in_launch_order_once_the_device_ran_them():
+    from sglang_shadowkv.scheduler.counters import DeviceStepTimer, StepClock
+
+    clock = StepClock()
+    timer = DeviceStepTimer(clock, torch.device("cpu"))
+    assert timer.start() is None  # off a GPU: nothing timed
+    timer.stop("prefill", None)
+    assert not timer.pending and clock.as_dict() == {}
+    timer.pending.extend([("prefill", _FakeEvent(True, 1.0), _FakeEvent(True, 41.4)),
+                          ("decode_only", _FakeEvent(True, 50.0), _FakeEvent(False, 70.0)),
+                          ("prefill", _FakeEvent(True, 80.0), _FakeEvent(True, 90.0))])
+    timer.collect()  # the second step is still running: it and the one after it wait
+    assert clock.as_dict() == {"prefill": {"steps": 0, "ms": 0, "prompt_tokens": 0, "decode_rows": 0, "device_ms": 40}}
+    timer.pending[0][2].done = True
+    timer.collect()
+    assert clock.as_dict()["prefill"]["device_ms"] == 50 and clock.as_dict()["decode_only"]["device_ms"] == 20
+    assert not timer.pending

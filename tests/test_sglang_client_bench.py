@@ -24,11 +24,14 @@ def test_parts_of_one_mode_merge_and_the_ratios_cover_every_workload():
 
 def test_a_workloads_counters_are_what_it_added_the_step_clock_per_label_and_the_captures_after_it():
     before = {"decode_steps": 5, "step_clock": {"prefill": {"steps": 2, "ms": 30}, "decode_only": {"steps": 4, "ms": 8}},
-              "graph_captures": [["(1, 512)", 0.3]], "chunk_cache": {"hits": 1}}
+              "graph_captures": [["(1, 512)", 0.3]], "chunk_cache": {"hits": 1},
+              "graph_replays_by_variant": {"512": 4, "('dense', None)": 2}}
     after = {"decode_steps": 9, "step_clock": {"prefill": {"steps": 5, "ms": 90}, "decode_only": {"steps": 4, "ms": 8},
                                                "suffix": {"steps": 1, "ms": 7}},
-             "graph_captures": [["(1, 512)", 0.3], ["(8, 512)", 0.2]], "chunk_cache": {"hits": 3}}
+             "graph_captures": [["(1, 512)", 0.3], ["(8, 512)", 0.2]], "chunk_cache": {"hits": 3},
+             "graph_replays_by_variant": {"512": 9, "('dense', None)": 2, "2560": 1}}
     delta = counter_delta(before, after)
     assert delta["decode_steps"] == 4
     assert delta["step_clock"] == {"prefill": {"steps": 3, "ms": 60}, "suffix": {"steps": 1, "ms": 7}}
     assert delta["graph_captures"] == [["(8, 512)", 0.2]] and delta["chunk_cache"] == {"hits": 3}
+    assert delta["graph_replays_by_variant"] == {"512": 5, "2560": 1}

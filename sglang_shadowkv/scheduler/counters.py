@@ -4,7 +4,10 @@ one flat dict that server_info's "stats" and the Prometheus metrics read."""
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass
+
+import torch
 
 
 class Counters:
@@ -70,24 +73,66 @@ class StepClock:
     went: a step's label is its kind (StepCounters' three) plus "+decode" when decodes ran beside
     its prompt chunks and "+compress" when a prompt compressed at its prefill in it. Per label:
     steps, wall ms (as StepCounters books it), prompt tokens and decode rows, so a mixed step's
-    cost per prompt token reads apart from a pure prefill's. Not in the flat stats: its labels
-    are open-ended, Prometheus's names are not."""
+    cost per prompt token reads apart from a pure prefill's, and on a GPU device_ms (see
+    DeviceStepTimer). Not in the flat stats: its labels are open-ended, Prometheus's names are not."""
 
-    FIELDS = ("steps", "ms", "prompt_tokens", "decode_rows")
+    FIELDS = ("steps", "ms", "prompt_tokens", "decode_rows", "device_ms")
 
     def __init__(self):
         self.shapes: dict[str, dict[str, int]] = {}
 
+    def _shape(self, label: str) -> dict[str, int]:
+        return self.shapes.setdefault(label, dict.fromkeys(self.FIELDS, 0))
+
     def book(self, label: str, ms: int, prompt_tokens: int, decode_rows: int) -> None:
-        shape = self.shapes.setdefault(label, dict.fromkeys(self.FIELDS, 0))
+        shape = self._shape(label)
         for name, value in zip(self.FIELDS, (1, ms, prompt_tokens, decode_rows)):
             shape[name] += value
+
+    def book_device(self, label: str, ms: int) -> None:
+        self._shape(label)["device_ms"] += ms
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {label: dict(shape) for label, shape in sorted(self.shapes.items())}
 
     def restore(self, snapshot: dict[str, dict[str, int]]) -> None:
         self.shapes = {label: dict(shape) for label, shape in snapshot.items()}
+
+
+class DeviceStepTimer:
+    """CUDA events around each launched step, read once the device has run them (polled, never
+    waited for): the time on the compute stream from the step's first kernel to its last, booked
+    to the step's label as the clock's device_ms. The wall clock books a step from its launch to
+    the next launch, so an eager step that fills CUDA's launch queue (a prompt chunk and 32 layers
+    of compression) also carries the steps before it; this does not. Off a GPU it does nothing."""
+
+    def __init__(self, clock: StepClock, device: torch.device):
+        self.clock, self.enabled = clock, device.type == "cuda"
+        self.pending: deque[tuple[str, torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    def start(self) -> "torch.cuda.Event | None":
+        if not self.enabled:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, label: str, started: "torch.cuda.Event | None") -> None:
+        if started is not None:
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()
+            self.pending.append((label, started, ended))
+        self.collect()
+
+    def collect(self) -> None:
+        """Book the steps the device has finished, in launch order."""
+        while self.pending and self.pending[0][2].query():
+            label, started, ended = self.pending.popleft()
+            self.clock.book_device(label, round(started.elapsed_time(ended)))
+
+    def forget(self) -> None:
+        """Drop what is pending unbooked (the warmup's steps)."""
+        self.pending.clear()
 
 
 def clock_since(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:

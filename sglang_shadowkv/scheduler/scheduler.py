@@ -35,7 +35,7 @@ from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
 from .cache import CacheManager
-from .counters import Counters, StepClock, StepCounters, merged
+from .counters import Counters, DeviceStepTimer, StepClock, StepCounters, merged
 from .decode import DecodeManager, LaunchedStep, ReqUpdate
 from .logprobs import (LogprobOptions, ReqLogprobs, prompt_logit_rows, record_output_logprobs,
                        record_prompt_logprobs)
@@ -94,6 +94,7 @@ class Scheduler:
         self.overlap = not args.disable_overlap_schedule
         self.pending: LaunchedStep | None = None
         self.step_clock = StepClock()
+        self.device_timer = DeviceStepTimer(self.step_clock, self.runner.device)
         self._last_launch: tuple | None = None  # (kind, label, when, prompt tokens, decode rows) of the last step
         if self.runner.device.type == "cuda" and not args.skip_server_warmup:
             warm_up(self)
@@ -166,13 +167,16 @@ class Scheduler:
         decode_items, decode_reqs = self.decode.schedule()
         prefill_items, prefill_reqs = self.prefill.schedule()
         items, reqs = decode_items + prefill_items, decode_reqs + prefill_reqs
+        launched = None
         if items:
             kind = step_kind(prefill_items)
             self.counters.prefill_steps += kind != "decode_only"
             self.counters.suffix_steps += kind == "suffix"
-            self._last_launch = (kind, step_label(kind, decode_items, prefill_items), now,
-                                 sum(it.num_new for it in prefill_items), len(decode_items))
-        launched = self._launch(items, reqs) if items else None
+            label = step_label(kind, decode_items, prefill_items)
+            self._last_launch = (kind, label, now, sum(it.num_new for it in prefill_items), len(decode_items))
+            started = self.device_timer.start()
+            launched = self._launch(items, reqs)
+            self.device_timer.stop(label, started)
         if self.pending is not None:
             updates += self.decode.process(self.pending)
         self.pending = launched
@@ -252,6 +256,7 @@ class Scheduler:
         """Each time the scheduler goes idle: finish a demotion under way (nothing decodes to be
         slowed), and with --check-integrity check the pool accounting."""
         self._time_last_launch(time.perf_counter())  # the last step's time ends here, not at the next request
+        self.device_timer.collect()
         self.cache.maintain(idle=True)
         if self.args.check_integrity:
             self.cache.check_integrity(self.running)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 def server_info(scheduler: "Scheduler") -> dict:
     runner, running = scheduler.runner, scheduler.running
+    scheduler.device_timer.collect()  # the device times of the steps finished since the last step
     return {
         "model_path": runner.loaded.model_path,
         "attention": scheduler.args.attention,

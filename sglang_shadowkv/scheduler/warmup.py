@@ -41,6 +41,7 @@ def warm_up(scheduler: "Scheduler") -> None:
         if compressed is not None:
             compressed.policy = policy
     scheduler.flush_cache()
+    scheduler.device_timer.forget()
     for counters, snapshot in saved:
         counters.restore(snapshot)
     logger.info("warmup: %d requests in %.1f s", len(prompts), time.perf_counter() - start)
