@@ -33,7 +33,8 @@ SUFFIX_GRAPH = "suffix"  # graph variants (SUFFIX_GRAPH, width): suffixes over c
 # a plain width: the other decode batches with a compressed prefix
 LONG_WINDOW_GRAPH = "long_window"
 MIN_GRAPH_CHUNK_COLUMNS = 256
-GRAPH_WIDTHS_PER_OCTAVE = 4  # chunk widths of sparse graphs between powers of two (2048, 2560, 3072, ...)
+GRAPH_LADDER_FROM = 2048  # sparse graph widths double up to here, then step GRAPH_WIDTHS_PER_OCTAVE times a doubling
+GRAPH_WIDTHS_PER_OCTAVE = 4  # (2048, 2560, 3072, 3584, 4096, 5120, ...)
 GRAPH_OUTLIER_SEGMENTS = 2  # a decode graph holds the outliers of this many segments per request
 
 
@@ -54,7 +55,7 @@ def graph_widths(max_chunks: int) -> list[int]:
     while w < max_chunks:
         widths.append(w)
         octave = 1 << (w.bit_length() - 1)
-        w += max(octave // GRAPH_WIDTHS_PER_OCTAVE, MIN_GRAPH_CHUNK_COLUMNS) if w >= 2048 else w
+        w += octave // GRAPH_WIDTHS_PER_OCTAVE if w >= GRAPH_LADDER_FROM else w
     return widths + [max_chunks]
 
 
