@@ -410,3 +410,33 @@ def test_rotate(tokens, heads, head_dim, inverse):
     back = rotate(got, *args[1:], inverse=not inverse)  # the inverse undoes the rotation
     torch.testing.assert_close(back, x.float().to(DEVICE), rtol=TOL, atol=TOL)
     assert rotate(*args).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("k", [5, 16, 40])
+def test_chunk_cache_plan_in_place(k):
+    """The one-kernel plan against the reference: same jobs, entries and held rows, on fresh random
+    scratch maps (unique chunks, empty entries) and selections (hits, misses, padding), only the
+    requests' rows touched."""
+    from sglang_shadowkv.kernels.chunk_cache_plan import plan_chunk_cache_in_place, plan_chunk_cache_in_place_reference
+
+    gen = torch.Generator().manual_seed(k)
+    rows_total, r, h = 6, 4, 3
+    held = torch.full((rows_total, h, k), -1, dtype=torch.int64)
+    for i in range(rows_total):
+        for j in range(h):
+            chunks = torch.randperm(3 * k, generator=gen)[:k]
+            held[i, j] = torch.where(torch.rand(k, generator=gen) < 0.25, -1, chunks)
+    selected = torch.full((r, h, k), -1, dtype=torch.int64)
+    for i in range(r):
+        for j in range(h):
+            n = int(torch.randint(0, k + 1, (1,), generator=gen))
+            selected[i, j, :n] = torch.randperm(3 * k, generator=gen)[:n]
+    rows = torch.tensor([5, 0, 3, 1], dtype=torch.int32)
+    held, selected, rows = held.to(DEVICE), selected.to(DEVICE), rows.to(DEVICE)
+    want_held = held.clone()
+    want = plan_chunk_cache_in_place_reference(want_held, rows, selected)
+    got_held = held.clone()
+    got = plan_chunk_cache_in_place(got_held, rows, selected)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got_held, want_held)
+    assert torch.equal(got_held[[2, 4]], held[[2, 4]])  # rows no request names are left alone

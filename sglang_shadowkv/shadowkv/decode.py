@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_shadowkv.kernels import chunk_cache_plan as ccp
 from sglang_shadowkv.kernels import gather_values as gv
 from sglang_shadowkv.kernels import landmark_scores as ls
 from sglang_shadowkv.kernels import rebuild_keys as rk
@@ -27,7 +28,6 @@ from sglang_shadowkv.kernels.rotary import RotaryTables
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
 from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
 
-from .chunk_cache import plan_chunk_cache
 from .config import ShadowKVConfig
 from .request_state import CompressedLayout, copy_padded, selection_tables
 from .selection import budget_summary, select_chunks
@@ -298,15 +298,11 @@ class SparseDecoder:
                        count_hits: bool = False) -> torch.Tensor:
         """Bring the selected chunks [R, Hkv, K] into the scratch rows [R] (int32; only chunks not
         already there move) and return the scratch entry of each [R, Hkv, K] (-1 for padding)."""
-        r, h, k = selected.shape
-        long_rows = rows.long()
-        jobs, entries, new_held = plan_chunk_cache(self.held[layer][long_rows].view(r * h, k),
-                                                   selected.view(r * h, k))
-        self.held[layer][long_rows] = new_held.view(r, h, k)
-        jobs, entries = jobs.view(r, h, k), entries.view(r, h, k)
+        plan_fn = ccp.plan_chunk_cache_in_place if self.use_triton else ccp.plan_chunk_cache_in_place_reference
+        jobs, entries = plan_fn(self.held[layer], rows, selected.contiguous())
         if count_hits:
             lookups = (entries >= 0).sum((1, 2))
-            self.hits.index_add_(0, long_rows, torch.stack([lookups - (jobs >= 0).sum((1, 2)), lookups], 1))
+            self.hits.index_add_(0, rows.long(), torch.stack([lookups - (jobs >= 0).sum((1, 2)), lookups], 1))
         self._fetch(jobs, layer, rows)
         return entries
 
