@@ -16,7 +16,7 @@ Per context L (tokens of a random document; at the context length, what leaves r
   (`decode_x16_step_ms`).
 The first hit and the first 16 at once of a shape may capture a CUDA graph (on first use): they are
 timed apart (`first_hit`, `first_hit_x16`); `hit` is the median of the next three, `hit_x16` the
-next 16.
+median of the next three sets of 16 (new questions each time).
 ShadowKV runs `--shadowkv-compress-policy eager`, so the document is compressed at its prefill
 (at the default policy, `tier`, it would stay dense and be served as full attention serves it:
 that path is full attention's). With `--profile`, torch.profiler then runs around another ShadowKV cold
@@ -170,14 +170,17 @@ def run_mode(args) -> dict:
         for context in args.contexts:
             engine.flush_cache()
             doc = _tokens(rng, min(context, engine.scheduler.context_length - QUESTION_TOKENS - 1), vocab)
-            questions = [_tokens(rng, QUESTION_TOKENS, vocab) for _ in range(2 + HIT_REPEATS + 2 * CONCURRENT_QUESTIONS)]
+            questions = [_tokens(rng, QUESTION_TOKENS, vocab)
+                         for _ in range(2 + HIT_REPEATS + (1 + HIT_REPEATS) * CONCURRENT_QUESTIONS)]
             cold = _timed(engine, [doc + questions[0]])
             # the first hit of a shape may capture its CUDA graph (on first use): timed apart
             first_hit = _timed(engine, [doc + questions[1]])
             hit = statistics.median(_timed(engine, [doc + q]) for q in questions[2:2 + HIT_REPEATS])
-            batches = questions[2 + HIT_REPEATS:2 + HIT_REPEATS + CONCURRENT_QUESTIONS], questions[-CONCURRENT_QUESTIONS:]
+            first = 2 + HIT_REPEATS
+            batches = [questions[first + i * CONCURRENT_QUESTIONS:first + (i + 1) * CONCURRENT_QUESTIONS]
+                       for i in range(1 + HIT_REPEATS)]
             first_hit_x16 = _timed(engine, [doc + q for q in batches[0]])
-            hit_x16 = _timed(engine, [doc + q for q in batches[1]])
+            hit_x16 = statistics.median(_timed(engine, [doc + q for q in batch]) for batch in batches[1:])
             beside_prompts = [doc + q for q in batches[0][:BESIDE_DECODES]]
 
             def beside(tag: int):  # each time a document nobody sent before
