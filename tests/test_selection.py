@@ -131,24 +131,22 @@ def test_budget_summary_mean_p99_and_histogram():
 def test_budget_counting_is_per_row_layer_and_head():
     """The decoder's histogram (scatter_add_ on the device, safe inside a CUDA graph) against plain
     counting: padding rows (the dummy row) land only in their own row."""
-    from types import SimpleNamespace
-
-    from sglang_shadowkv.shadowkv.decode import SparseDecoder
+    from sglang_shadowkv.kernels.chunk_selection import count_budgets
 
     gen = torch.Generator().manual_seed(4)
     rows_n, layers, width, h = 4, 3, 10, 2
-    dec = SimpleNamespace(budget_hist=torch.zeros(rows_n + 1, layers, width + 1, dtype=torch.int64))
-    want = torch.zeros_like(dec.budget_hist)
+    hist = torch.zeros(rows_n + 1, layers, width + 1, dtype=torch.int64)
+    want = torch.zeros_like(hist)
     for step in range(20):
         rows = torch.randint(0, rows_n + 1, (3,), generator=gen, dtype=torch.int32)
         counts = torch.randint(0, width + 1, (3, h), generator=gen)
         selected = torch.where(torch.arange(width) < counts[..., None], 7, -1)
         layer = step % layers
-        SparseDecoder._count_budgets(dec, layer, rows, selected)
+        count_budgets(hist, rows, layer, selected)
         for r, row_counts in zip(rows.tolist(), counts.tolist()):
             for c in row_counts:
                 want[r, layer, c] += 1
-    assert torch.equal(dec.budget_hist, want)
+    assert torch.equal(hist, want)
 
 
 def test_budget_and_rank_settings():

@@ -440,3 +440,44 @@ def test_chunk_cache_plan_in_place(k):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(got_held, want_held)
     assert torch.equal(got_held[[2, 4]], held[[2, 4]])  # rows no request names are left alone
+
+
+@pytest.mark.parametrize("num_chunks,group,adaptive", [(37, 4, True), (300, 2, True), (300, 4, False), (1100, 1, True)])
+def test_select_decode_chunks(num_chunks, group, adaptive):
+    """The one-kernel decode selection against the torch path: the same set of chunk slots per
+    (request, KV head) and the same budget histogram, on fresh random logits (sharp and flat
+    heads, chunks that are not selectable, budgets from the floor to the cap, padding rows with
+    nothing selectable)."""
+    from sglang_shadowkv.kernels.chunk_selection import select_decode_chunks, select_decode_chunks_reference
+
+    gen = torch.Generator().manual_seed(num_chunks + group)
+    b, h, width, layers, layer, floor = 5, 3, 80, 4, 2, 8
+    top_k = min(64, num_chunks)  # the columns ranked: never more than the chunks
+    spread = torch.tensor([0.5, 4.0, 12.0, 1.0, 30.0])[:, None, None]  # flat to sharp heads
+    logits = torch.randn(b, h * group, num_chunks, generator=gen) * spread
+    not_selectable = torch.rand(b, h, num_chunks, generator=gen) < 0.1
+    not_selectable[4] = True  # a padding row: nothing to choose
+    logits = logits.masked_fill(not_selectable.repeat_interleave(group, 1), float("-inf"))
+    slots = torch.randperm(10 * num_chunks, generator=gen)[:b * num_chunks].view(b, num_chunks).int()
+    budgets = torch.tensor([top_k, 17, min(top_k, num_chunks // 2), 3, top_k])
+    rows = torch.tensor([3, 0, 6, 2, 5], dtype=torch.int32)
+    top_p = 0.9 if adaptive else None
+    hist = torch.zeros(8, layers, width + 1, dtype=torch.int64)
+    args = [t.to(DEVICE) for t in (logits, slots, budgets)]
+    want_hist, got_hist = hist.to(DEVICE), hist.to(DEVICE)
+    want = select_decode_chunks_reference(args[0], h, args[1], args[2], top_k, width, top_p, floor, want_hist,
+                                          rows.to(DEVICE), layer)
+    got = select_decode_chunks(args[0], h, args[1], args[2], top_k, width, top_p, floor, got_hist,
+                               rows.to(DEVICE), layer)
+    want[4] = -1  # the reference pads a budget with chunks that cannot be chosen; the kernel never picks them
+    want_hist[5, layer] = 0
+    want_hist[5, layer, 0] = h
+    assert got.shape == want.shape
+    for i in range(b):
+        for j in range(h):
+            assert set(got[i, j].tolist()) == set(want[i, j].tolist()), (i, j)
+            n = int((got[i, j] >= 0).sum())
+            assert (got[i, j, n:] == -1).all()
+    assert torch.equal(got_hist, want_hist)
+    counts = (got[:4] >= 0).sum(-1).cpu()
+    assert adaptive == bool((counts < budgets[:4, None]).any())  # the adaptive budget took fewer than the cap

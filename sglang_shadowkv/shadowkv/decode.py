@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_shadowkv.kernels import chunk_cache_plan as ccp
+from sglang_shadowkv.kernels import chunk_selection as cs
 from sglang_shadowkv.kernels import gather_values as gv
 from sglang_shadowkv.kernels import landmark_scores as ls
 from sglang_shadowkv.kernels import rebuild_keys as rk
@@ -261,11 +262,11 @@ class SparseDecoder:
     def attend(self, q: torch.Tensor, layer: int, plan: StepPlan, kv_pool: PagedKVPool) -> torch.Tensor:
         """q [B, Hq, D] (one decode token per request) -> attention output [B, Hq, D]; the dense
         window is read from kv_pool."""
-        b, h = q.shape[0], self.pool.num_kv_heads
-        logits = self.landmark_logits(q, layer, plan.chunk_slots).view(b, h, -1, plan.chunk_slots.shape[1])
-        scores = logits.softmax(-1).amax(2).masked_fill(logits[:, :, 0].isinf(), -1.0)
-        selected = self.select(scores, plan.chunk_slots, plan.budgets, plan.top_k)
-        self._count_budgets(layer, plan.rows, selected)
+        logits = self.landmark_logits(q, layer, plan.chunk_slots)
+        select_fn = cs.select_decode_chunks if self.use_triton else cs.select_decode_chunks_reference
+        selected = select_fn(logits, self.pool.num_kv_heads, plan.chunk_slots, plan.budgets, plan.top_k,
+                             self.max_entries, self.cfg.top_p_or_none, self.cfg.min_budget_chunks, self.budget_hist,
+                             plan.rows, layer)
         entries = self.fetch_selected(layer, plan.rows, selected, count_hits=True)
         outliers = self.live_outliers(layer, plan.outliers, plan.outlier_lo, plan.outlier_hi)
         return self.attend_selected(q, layer, outliers, plan.rows, entries, plan.window_indptr,
@@ -286,13 +287,6 @@ class SparseDecoder:
         budget's cap (shadowkv_top_p, floor shadowkv_min_budget_chunks); top_k >= every budget."""
         return select_chunks(scores, chunk_slots, budgets, top_k, self.max_entries, self.cfg.top_p_or_none,
                              self.cfg.min_budget_chunks)
-
-    def _count_budgets(self, layer: int, rows: torch.Tensor, selected: torch.Tensor) -> None:
-        """Add this step's chunk count of every KV head to its row's histogram (on the device)."""
-        counts = (selected >= 0).sum(-1)  # [R, H]
-        _, layers, width = self.budget_hist.shape
-        cells = (rows.long()[:, None] * layers + layer) * width + counts  # scatter_add_: no host sync
-        self.budget_hist.view(-1).scatter_add_(0, cells.flatten(), torch.ones_like(cells.flatten()))
 
     def fetch_selected(self, layer: int, rows: torch.Tensor, selected: torch.Tensor,
                        count_hits: bool = False) -> torch.Tensor:
