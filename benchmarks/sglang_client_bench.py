@@ -53,7 +53,7 @@ def client_args(workload: dict, url: str, model: str, tokenizer: str, output_fil
             "--gsp-prompts-per-group", str(workload["per_group"]), "--gsp-system-prompt-len", str(workload["doc"]),
             "--gsp-question-len", str(QUESTION_TOKENS), "--gsp-output-len", str(workload["output"]),
             "--max-concurrency", str(workload["concurrency"]), "--output-file", output_file, "--disable-tqdm",
-            "--seed", "1"]
+            "--seed", "1", "--output-details"]
     return args + (["--gsp-num-turns", str(workload["turns"])] if "turns" in workload else [])
 
 
@@ -135,7 +135,7 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
             client = json.loads(line)
             result["workloads"][name] = {
                 "client_args": cargs, "returncode": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1),
-                **{k: client.get(k) for k in METRICS},
+                **{k: client.get(k) for k in METRICS}, **request_details(client),
                 "server": counter_delta(before, after),
                 "client_tail": proc.stdout[-1500:] if proc.returncode else "",
                 "client_stderr_tail": proc.stderr[-1500:] if proc.returncode else "",
@@ -145,6 +145,14 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
         result["server_log_tail"] = server.output()[-4000:]
         server.kill_group()
     return result
+
+
+def request_details(client: dict) -> dict:
+    """Each request's TTFT (seconds, in the client's order) and prompt tokens, from the client's
+    --output-details: which requests make a tail (a chat's first turns, or its later ones)."""
+    if "ttfts" not in client:
+        return {}
+    return {"ttfts_s": [round(t, 3) for t in client["ttfts"]], "prompt_lens": client.get("input_lens")}
 
 
 def device_name(device: str) -> str:

@@ -35,3 +35,11 @@ def test_a_workloads_counters_are_what_it_added_the_step_clock_per_label_and_the
     assert delta["step_clock"] == {"prefill": {"steps": 3, "ms": 60}, "suffix": {"steps": 1, "ms": 7}}
     assert delta["graph_captures"] == [["(8, 512)", 0.2]] and delta["chunk_cache"] == {"hits": 3}
     assert delta["graph_replays_by_variant"] == {"512": 5, "2560": 1}
+
+
+def test_request_details_keep_each_requests_ttft_and_prompt_length():
+    from benchmarks.sglang_client_bench import request_details
+
+    client = {"ttfts": [0.51234, 12.0], "input_lens": [16448, 16544], "median_ttft_ms": 1.0}
+    assert request_details(client) == {"ttfts_s": [0.512, 12.0], "prompt_lens": [16448, 16544]}
+    assert request_details({"median_ttft_ms": 1.0}) == {}  # a client without --output-details
