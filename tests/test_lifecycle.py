@@ -159,3 +159,24 @@ def test_engine_shuts_down_at_interpreter_exit(tiny_model_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "generated 2" in lines and "Engine shut down: model and caches released" in lines[-1]
+
+
+def _die_by_sigkill(writer) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_child_killed_while_starting_is_named_with_its_signal():
+    """A scheduler the out-of-memory killer takes while it loads (e.g. an 8B model on a small
+    machine) closes its status pipe unreported: the launch fails naming the signal, not EOFError."""
+    import multiprocessing as mp
+
+    from sglang_shadowkv.entrypoints.launcher import LaunchError, Stop, _wait_ready
+
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_die_by_sigkill, args=(writer,), name="sglang-shadowkv-scheduler")
+    child.start()
+    writer.close()
+    child.join(timeout=30)
+    with pytest.raises(LaunchError, match="scheduler process was killed by SIGKILL.*out-of-memory"):
+        _wait_ready(reader, child, 30, Stop())

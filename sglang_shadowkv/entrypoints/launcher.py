@@ -103,10 +103,14 @@ def _wait_ready(reader, process: mp.Process, timeout_s: float, stop: Stop) -> di
         if stop.reason is not None:
             return None
         if not process.is_alive():
-            raise LaunchError(f"the {name} process exited (code {process.exitcode}) while starting")
+            raise LaunchError(describe_exit(process, None) + " while starting")
         if time.monotonic() > deadline:
             raise LaunchError(f"the {name} was not ready within {timeout_s:.0f} s (--startup-timeout)")
-    ready = reader.recv()
+    try:
+        ready = reader.recv()
+    except EOFError:  # it died before reporting: the closed pipe polls as readable
+        process.join(timeout=5)
+        raise LaunchError(describe_exit(process, None) + " while starting") from None
     if "error" in ready:
         raise LaunchError(f"the {name} failed to start: {ready['error']}")
     return ready
