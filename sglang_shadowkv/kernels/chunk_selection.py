@@ -52,6 +52,20 @@ def select_decode_chunks_reference(logits, kv_heads: int, chunk_slots, budgets, 
 
 
 @triton.jit
+def _highest_threshold(bits, weight, target, STEPS: tl.constexpr, BITS_INF: tl.constexpr):
+    """The highest lo in [0, BITS_INF) with sum(weight where bits >= lo) >= target (non-negative
+    weights), by bisection: the weight of the bits >= lo reaches the target, of those >= hi not."""
+    lo = tl.zeros([], tl.int32)
+    hi = tl.full([], BITS_INF, tl.int32)
+    for _ in range(STEPS):
+        mid = lo + (hi - lo) // 2
+        reached = tl.sum(tl.where(bits >= mid, weight, 0.0), 0) >= target
+        lo = tl.where(reached, mid, lo)
+        hi = tl.where(reached, hi, mid)
+    return lo
+
+
+@triton.jit
 def _select_kernel(LOGITS, SLOTS, BUDGETS, OUT, HIST, ROWS, N, W, top_p, floor, layer, layers,
                    stride_lb, stride_lh, stride_sb,
                    GROUP: tl.constexpr, N_PAD: tl.constexpr, W_PAD: tl.constexpr, ADAPTIVE: tl.constexpr,
@@ -75,22 +89,11 @@ def _select_kernel(LOGITS, SLOTS, BUDGETS, OUT, HIST, ROWS, N, W, top_p, floor, 
     count = cap
     if ADAPTIVE:  # the fewest best chunks whose mass reaches top_p of the head's mass
         target = top_p * tl.sum(tl.maximum(score, 0.0), 0)
-        lo = tl.zeros([], tl.int32)  # mass of the scores >= lo reaches the target; of those >= hi not
-        hi = tl.full([], BITS_INF, tl.int32)
-        for _ in range(STEPS):
-            mid = lo + (hi - lo) // 2
-            reached = tl.sum(tl.where(bits >= mid, score, 0.0), 0) >= target
-            lo = tl.where(reached, mid, lo)
-            hi = tl.where(reached, hi, mid)
+        lo = _highest_threshold(bits, score, target, STEPS, BITS_INF)  # mass of the scores >= lo reaches it
         needed = tl.where(target > 0, tl.sum((bits >= lo).to(tl.int32), 0), 0)
         count = tl.minimum(tl.maximum(needed, tl.minimum(floor, cap)), cap)
-    lo = tl.zeros([], tl.int32)  # the count-th best score: at least count scores >= lo, fewer >= hi
-    hi = tl.full([], BITS_INF, tl.int32)
-    for _ in range(STEPS):
-        mid = lo + (hi - lo) // 2
-        enough = tl.sum((bits >= mid).to(tl.int32), 0) >= count
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
+    # the count-th best score: at least count scores >= lo (a float sum of ones: exact up to 2**24 chunks)
+    lo = _highest_threshold(bits, tl.full([N_PAD], 1.0, tl.float32), count.to(tl.float32), STEPS, BITS_INF)
     above = bits > lo
     tie = bits == lo  # ties at the count-th score, taken in chunk order
     tie_rank = tl.cumsum(tie.to(tl.int32), 0) - 1
