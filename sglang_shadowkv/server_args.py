@@ -57,6 +57,8 @@ class ServerArgs:
                                       "kernel first (otherwise the first user request pays for the compilation)")
     check_integrity: bool = _field(False, "whenever the scheduler goes idle, check that every KV page, compressed "
                                    "slot and request row is free or owned exactly once (debugging; on in tests)")
+    step_log: str | None = _field(None, "append one JSON line per scheduler step to this file (when it launched, "
+                                  "what it held, its wall time, the queues): a timeline of where serving time went")
     random_seed: int = _field(0, "seed of the sampling of requests without their own seed")
     host: str = _field("127.0.0.1", "address the HTTP server listens on")
     port: int = _field(30000, "port the HTTP server listens on")

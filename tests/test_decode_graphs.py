@@ -172,6 +172,27 @@ def shadow_pair():
     graphed.shutdown()
 
 
+def test_startup_runs_each_selection_compile_class_once_plain_and_with_a_long_window(shadow_pair, monkeypatch):
+    """On a GPU the runner runs these variants eagerly at startup so no request waits for a Triton
+    compile; here their stand-in steps run eagerly over the same buffers."""
+    from sglang_shadowkv.kernels.chunk_selection import compile_class
+
+    graphs = shadow_pair[1].scheduler.runner.graphs
+    variants = graphs.backend.compile_graph_variants()
+    widths = [v for v in variants if not isinstance(v, tuple)]
+    all_widths = graph_widths(graphs.backend.decoder.max_chunks)
+    assert {compile_class(w) for w in widths} == {compile_class(w) for w in all_widths}
+    assert len(widths) == len({compile_class(w) for w in widths}) and max(widths) == max(all_widths)
+    assert [v for v in variants if isinstance(v, tuple)] == [("long_window", w) for w in widths]
+    ran, forward = [], graphs._forward
+    monkeypatch.setattr(graphs, "_forward", lambda batch, key: (ran.append(key), forward(batch, key)))
+    monkeypatch.setattr(graphs, "_warmed", set())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    graphs._compile(variants)
+    graphs._compile(variants)  # already compiled: nothing runs again
+    assert ran == [(bs, v) for v in variants for bs in (1, 4)]  # the smallest and the largest batch
+
+
 def test_shadowkv_mixed_batches_give_the_eager_tokens(shadow_pair):
     plain, graphed = shadow_pair
     tok = plain.tokenizer

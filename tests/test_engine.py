@@ -113,6 +113,28 @@ def test_chunked_prefill_equals_one_pass():
         big.shutdown()
 
 
+def test_the_step_log_has_a_line_per_step_with_its_chunks_decodes_and_queues(tmp_path):
+    import json
+
+    from sglang_shadowkv import Engine
+
+    log = tmp_path / "steps.jsonl"
+    eng = Engine(max_total_tokens=2048, chunked_prefill_size=37, step_log=str(log))
+    try:
+        out = eng.generate(input_ids=[9] * 100, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    finally:
+        eng.shutdown()
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    chunks = [c for s in steps for c in s["chunks"]]
+    assert [c[0] for c in chunks] == [0, 37, 74] and sum(c[1] for c in chunks) == 100  # chunks of at most 37
+    assert not any(c[2] for c in chunks)  # nothing compressed (full attention)
+    assert [s["label"] for s in steps].count("decode_only") == 3  # 4 tokens: the last chunk samples the first
+    assert all(s["decoding"] == 1 and s["decode_rows"] == 1 for s in steps if s["label"] == "decode_only")
+    assert steps[0]["prefilling"] == 1 and steps[0]["waiting"] == 0
+    assert all(a["t"] <= b["t"] and a["ms"] >= 0 for a, b in zip(steps, steps[1:]))
+    assert len(out["output_ids"]) == 4
+
+
 def test_stop_conditions(engine):
     base = engine.generate(PROMPTS[1], GREEDY)
     word = base["text"].split()[3]

@@ -84,3 +84,29 @@ def test_an_unknown_policy_is_refused(tiny_model_path):
 
     with pytest.raises(ValueError, match="schedule_policy"):
         Engine(model_path=tiny_model_path, schedule_policy="lpm")
+
+
+def test_cold_prompts_are_admitted_as_the_chunk_budget_reaches_them_questions_at_once(engine):
+    """Admission reserves a prompt's pages: long cold prompts wait (unreserved) while the admitted
+    ones still need two steps' chunk budgets; a short question over a cached document does not."""
+    from sglang_shadowkv.scheduler.prefill import ADMITTED_STEPS_AHEAD
+
+    sched = engine.scheduler
+    engine.flush_cache()
+    doc = tokens(320, 9)
+    engine.generate(input_ids=doc, sampling_params=GREEDY)  # cached now
+    colds = [sched.add_request(f"cold{i}", tokens(300, 10 + i), SamplingParams(**GREEDY)) for i in range(6)]
+    sched.step()
+    admitted = [r for r in colds if r.pool_row is not None]
+    assert len(admitted) == 1 and len(sched.prefill.waiting) == 5  # 300 tokens fill two 64-token steps and more
+    question = sched.add_request("question", doc + tokens(24, 3), SamplingParams(**GREEDY))
+    sched.step()
+    assert question.pool_row is not None  # admitted beside them: 24 uncached tokens
+    most_ahead = 0
+    while sched.has_work:
+        ahead = sum(len(r.input_ids) - r.num_computed for r in sched.prefill.prefilling)
+        most_ahead = max(most_ahead, ahead)
+        sched.step()
+    assert most_ahead < (ADMITTED_STEPS_AHEAD + 1) * CHUNK + 300
+    assert all(r.finished for r in [*colds, question])
+    assert_pool_clean(engine)

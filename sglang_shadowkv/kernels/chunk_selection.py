@@ -108,6 +108,13 @@ def _select_kernel(LOGITS, SLOTS, BUDGETS, OUT, HIST, ROWS, N, W, top_p, floor, 
     tl.atomic_add(HIST + (row * layers + layer) * (W + 1) + count, tl.full([], 1, tl.int64))
 
 
+def compile_class(n: int) -> tuple[int, int]:
+    """What of a step's chunk columns n the selection kernel is compiled for (its register row and
+    warps): steps whose n share a class share one compiled variant; a new class costs a Triton
+    compile (~1-2 s on the H100) the first time it is met."""
+    return triton.next_power_of_2(n), 4 if n <= 1024 else 8 if n <= 8192 else 16
+
+
 def select_decode_chunks(logits, kv_heads: int, chunk_slots, budgets, top_k: int, width: int,
                          top_p: float | None, floor: int, hist, rows, layer: int) -> torch.Tensor:
     """Triton version of `select_decode_chunks_reference` (same arguments; the chosen chunks in
@@ -119,12 +126,12 @@ def select_decode_chunks(logits, kv_heads: int, chunk_slots, budgets, top_k: int
     if logits.stride(2) != 1 or chunk_slots.stride(1) != 1:
         raise ValueError("logits and chunk_slots must be contiguous in their last dimension")
     if b and n:
+        n_pad, warps = compile_class(n)
         _select_kernel[(b, kv_heads)](
             logits, chunk_slots, budgets, out, hist, rows, n, width, 0.0 if top_p is None else top_p, floor,
             layer, hist.shape[1], logits.stride(0), logits.stride(1), chunk_slots.stride(0),
-            GROUP=hq // kv_heads, N_PAD=triton.next_power_of_2(n), W_PAD=triton.next_power_of_2(width),
-            ADAPTIVE=top_p is not None, STEPS=BISECTION_STEPS, BITS_INF=FLOAT_BITS_INF,
-            num_warps=4 if n <= 1024 else 8 if n <= 8192 else 16)
+            GROUP=hq // kv_heads, N_PAD=n_pad, W_PAD=triton.next_power_of_2(width),
+            ADAPTIVE=top_p is not None, STEPS=BISECTION_STEPS, BITS_INF=FLOAT_BITS_INF, num_warps=warps)
     elif b:
         out.fill_(-1)
     return out

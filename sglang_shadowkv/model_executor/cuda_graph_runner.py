@@ -98,6 +98,8 @@ class CudaGraphRunner:
         if capture:
             self._capture(self._keys_for(only_for) if only_for else
                           [(bs, v) for bs in reversed(self.batch_sizes) for v in backend.startup_graph_variants()])
+            if not only_for:
+                self._compile(backend.compile_graph_variants())
 
     def bucket(self, batch_size: int) -> int | None:
         """The captured size a batch is padded to (None: too large for the graphs)."""
@@ -246,6 +248,25 @@ class CudaGraphRunner:
                     len(keys), keys if len(keys) == 1 else f"batch sizes {self.batch_sizes}", seconds,
                     (self.graph_bytes - before) / 2**30, len(self.graphs), self.capture_seconds,
                     self.graph_bytes / 2**30)
+
+    def _compile(self, variants: list) -> None:
+        """Run each variant's step once eagerly at the smallest and the largest batch size (see
+        the backend's compile_graph_variants; kernels split their work differently for a few
+        requests than for many, and are compiled for each): they compile now, not while
+        requests wait."""
+        start = time.perf_counter()
+        for variant in variants:
+            if warmup_shape((1, variant)) in self._warmed:
+                continue
+            for size in sorted({self.batch_sizes[0], self.batch_sizes[-1]}):
+                batch = self._stand_in(size, variant)
+                self.backend.begin_graph_step(batch, variant)
+                self._forward(batch, (size, variant))
+            self._warmed.add(warmup_shape((1, variant)))
+        torch.cuda.synchronize(self.device)
+        if variants:
+            logger.info("compiled the kernels of %d graph variant(s) in %.1f s", len(variants),
+                        time.perf_counter() - start)
 
     def _record(self, batch: ForwardBatch, key: tuple, warm_up: bool) -> torch.cuda.CUDAGraph:
         """One graph of the model over `batch` (its inputs and metadata written), on the capture

@@ -4,9 +4,11 @@ one flat dict that server_info's "stats" and the Prometheus metrics read."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass
 
+import orjson
 import torch
 
 
@@ -97,6 +99,23 @@ class StepClock:
 
     def restore(self, snapshot: dict[str, dict[str, int]]) -> None:
         self.shapes = {label: dict(shape) for label, shape in snapshot.items()}
+
+
+class StepLog:
+    """--step-log: one JSON line per step, written when the next step launches (so with its wall
+    time): its launch in seconds since the scheduler started, label (see StepClock), wall ms, its
+    prompt chunks as [start, tokens, over a compressed prefix], decode rows and the queues at launch
+    (waiting, prefilling, decoding). The aggregate clock says how much time a kind of step took;
+    this says when, e.g. which steps held a cold document's first token back. Line-buffered."""
+
+    def __init__(self, path: str | None):
+        self.file = open(path, "a", buffering=1) if path else None
+        self.started = time.perf_counter()
+
+    def write(self, launched: float, label: str, ms: int, detail: dict) -> None:
+        if self.file is not None:
+            line = {"t": round(launched - self.started, 4), "label": label, "ms": ms, **detail}
+            self.file.write(orjson.dumps(line).decode() + "\n")
 
 
 class DeviceStepTimer:

@@ -23,6 +23,8 @@ from .request import Req
 
 SHARED_PREFILL_TOKENS = 256  # a shared prefix at least this long (and most of a prompt) is worth waiting for
 RANKED_WAITING = 128  # hrrn ranks this many waiting requests (in arrival order) a step; the rest wait their turn
+# admission stops while the admitted prompts still need this many steps' chunk budgets: see PrefillManager.admit
+ADMITTED_STEPS_AHEAD = 2
 
 
 def shares_prefill(req: Req, prefilling: Req) -> bool:
@@ -94,13 +96,25 @@ class PrefillManager:
         long prefix with a prompt still being prefilled waits for it (SGLang's in-batch prefix
         caching): that prompt goes to the radix cache when it completes, so a shared document is
         prefilled (and compressed) once however many of its requests arrive together.
-        nothing_in_flight: no request runs and no step is pending, so nothing will free memory."""
+        nothing_in_flight: no request runs and no step is pending, so nothing will free memory.
+        A prompt longer than a step's chunk budget (past its cached prefix) waits while the
+        admitted prompts' uncomputed tokens fill ADMITTED_STEPS_AHEAD budgets (SGLang likewise
+        admits a prompt when a step's budget takes it); shorter ones (questions over cached
+        documents) are admitted as before. Why: an admitted prompt reserves its pages at once, so
+        48 cold chat documents arriving together had 13-21 admitted while two were computed
+        (SGLang's client on the H100), their reservations ~75% of the pool, and the compressed
+        documents decoding meanwhile found no room for their values on the GPU (read over PCIe
+        at every step instead)."""
         order = self._admission_order()
         taken: set[int] = set()
         demand = None
+        ahead = sum(len(r.input_ids) - r.num_computed for r in self.prefilling)
         for req in order:
             if free_places <= 0:
                 break
+            if ahead >= ADMITTED_STEPS_AHEAD * self.chunk_budget and \
+                    len(req.input_ids) - self.cache.tree.cached_len(req.input_ids) > self.chunk_budget:
+                continue
             if any(shares_prefill(req, other) for other in self.prefilling):
                 continue
             if demand is None and self.min_context is not None:
@@ -117,6 +131,7 @@ class PrefillManager:
             self.prefilling.append(req)
             taken.add(id(req))
             free_places -= 1
+            ahead += len(req.input_ids) - req.num_computed
         if taken:
             self.waiting = deque(r for r in self.waiting if id(r) not in taken)
 

@@ -35,7 +35,7 @@ from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
 from .cache import CacheManager
-from .counters import Counters, DeviceStepTimer, StepClock, StepCounters, merged
+from .counters import Counters, DeviceStepTimer, StepClock, StepCounters, StepLog, merged
 from .decode import DecodeManager, LaunchedStep, ReqUpdate
 from .logprobs import (LogprobOptions, ReqLogprobs, prompt_logit_rows, record_output_logprobs,
                        record_prompt_logprobs)
@@ -95,7 +95,9 @@ class Scheduler:
         self.pending: LaunchedStep | None = None
         self.step_clock = StepClock()
         self.device_timer = DeviceStepTimer(self.step_clock, self.runner.device)
-        self._last_launch: tuple | None = None  # (kind, label, when, prompt tokens, decode rows) of the last step
+        self.step_log = StepLog(args.step_log)
+        # (kind, label, when, prompt tokens, decode rows, the step log's detail) of the last step
+        self._last_launch: tuple | None = None
         if self.runner.device.type == "cuda" and not args.skip_server_warmup:
             warm_up(self)
 
@@ -173,7 +175,8 @@ class Scheduler:
             self.counters.prefill_steps += kind != "decode_only"
             self.counters.suffix_steps += kind == "suffix"
             label = step_label(kind, decode_items, prefill_items)
-            self._last_launch = (kind, label, now, sum(it.num_new for it in prefill_items), len(decode_items))
+            self._last_launch = (kind, label, now, sum(it.num_new for it in prefill_items), len(decode_items),
+                                 self._step_detail(prefill_items, decode_items) if self.step_log.file else None)
             started = self.device_timer.start()
             launched = self._launch(items, reqs)
             self.device_timer.stop(label, started)
@@ -188,12 +191,21 @@ class Scheduler:
     def _time_last_launch(self, now: float) -> None:
         """Book the time since the last launch to its kind of step and its label."""
         if self._last_launch is not None:
-            kind, label, started, prompt_tokens, decode_rows = self._last_launch
+            kind, label, started, prompt_tokens, decode_rows, detail = self._last_launch
             ms = round(1000 * (now - started))
             name = kind + "_step_ms"
             setattr(self.counters, name, getattr(self.counters, name) + ms)
             self.step_clock.book(label, ms, prompt_tokens, decode_rows)
+            if detail is not None:
+                self.step_log.write(started, label, ms, detail)
         self._last_launch = None
+
+    def _step_detail(self, prefill_items: list[StepItem], decode_items: list[StepItem]) -> dict:
+        """What the step log says of a step besides its label and time (see StepLog)."""
+        chunks = [[it.start, it.num_new, it.shadowkv is not None and it.shadowkv.layout is not None]
+                  for it in prefill_items]
+        return {"chunks": chunks, "decode_rows": len(decode_items), "waiting": len(self.prefill.waiting),
+                "prefilling": len(self.prefill.prefilling), "decoding": len(self.decode.running)}
 
     def _launch(self, items: list[StepItem], reqs: list[Req]) -> LaunchedStep:
         """Queue the forward pass and the sampling; book what the step does to each request."""

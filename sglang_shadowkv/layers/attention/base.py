@@ -131,6 +131,12 @@ class AttentionBackend(ABC):
         """The variants captured at startup; the others are captured on first use."""
         return self.graph_variants()
 
+    def compile_graph_variants(self) -> list:
+        """Variants run once eagerly at startup (not captured) so that the kernels every variant
+        needs are compiled before the first request, where capturing them all would cost time
+        and memory for graphs serving may never replay (default: none)."""
+        return []
+
     def graph_variant(self, batch: ForwardBatch):
         """The captured variant a padded decode batch replays with (NO_GRAPH: run it eagerly)."""
         return None if sum(batch.seq_lens) <= self._graph_kv_indices.numel() else NO_GRAPH

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_shadowkv.kernels import chunk_selection as cs
 from sglang_shadowkv.kernels import sparse_decode_attention as sda
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
 from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool, to_device
@@ -129,6 +130,15 @@ class ShadowKVAttentionBackend(AttentionBackend):
         by default), so those are captured on first use; the server's warmup compresses a document
         and so compiles the sparse kernels before the first request."""
         return [(DENSE_GRAPH, v) for v in self.dense.startup_graph_variants()]
+
+    def compile_graph_variants(self) -> list:
+        """The widest sparse width of each compile class of the chunk selection (chunk_selection.
+        compile_class), plain and with a long dense window (whose key splits make the attention
+        another variant): on the H100 the first capture of a 16K document's width waited 1.7-2.1 s
+        for the Triton compiler twice in a chat's first 20 s (SGLang's client, every other
+        request's step waiting with it); each width's graphs are still captured on first use."""
+        widest = {cs.compile_class(w): w for w in self._graph_widths}
+        return [v for w in widest.values() for v in (w, (LONG_WINDOW_GRAPH, w))]
 
     def graph_variant(self, batch: ForwardBatch):
         if not any(st is not None and st.layout is not None for st in batch.shadowkv or []):
