@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
@@ -123,6 +124,8 @@ class ServerArgs:
             raise ValueError(f"startup_timeout must be positive, got {self.startup_timeout}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.step_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.step_log))):
+            raise ValueError(f"step_log: the folder of {self.step_log!r} does not exist")
         chunk = self.shadowkv.chunk_size
         if self.page_size % chunk and chunk % self.page_size:
             raise ValueError(f"shadowkv_chunk_size ({chunk}) and page_size ({self.page_size}) must divide one another")

@@ -208,6 +208,8 @@ def test_engine_arguments_are_checked():
         Engine(attention="sparse")
     with pytest.raises(ValueError, match="page_size"):
         Engine(page_size=0)
+    with pytest.raises(ValueError, match="step_log"):
+        Engine(step_log="/no/such/folder/steps.jsonl")
 
 
 def test_step_time_is_booked_to_decode_only_steps_and_steps_with_prompt_chunks(engine):
