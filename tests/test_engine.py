@@ -132,6 +132,8 @@ def test_the_step_log_has_a_line_per_step_with_its_chunks_decodes_and_queues(tmp
     assert all(s["decoding"] == 1 and s["decode_rows"] == 1 for s in steps if s["label"] == "decode_only")
     assert steps[0]["prefilling"] == 1 and steps[0]["waiting"] == 0
     assert all(a["t"] <= b["t"] and a["ms"] >= 0 for a, b in zip(steps, steps[1:]))
+    assert steps[0]["pages"]["reserved"] > 0 and all(s["pages"]["lent"] == 0 for s in steps)  # full attention lends none
+    assert "gpu_values" not in steps[0]
     assert len(out["output_ids"]) == 4
 
 

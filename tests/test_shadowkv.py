@@ -245,6 +245,23 @@ def test_compressed_decode_follows_full_attention(shadow_engine, engine):
     assert_shadow_pools_clean(shadow_engine)
 
 
+def test_the_step_log_shows_a_compression_and_the_gpu_values(shadow_engine, tmp_path, monkeypatch):
+    import json
+
+    from sglang_shadowkv.scheduler.counters import StepLog
+
+    sched = shadow_engine.scheduler
+    monkeypatch.setattr(sched, "step_log", StepLog(str(tmp_path / "steps.jsonl")))
+    doc, questions = document_and_questions(shadow_engine.tokenizer, 900, 31)
+    for question in questions[:2]:  # the first compresses the document; the second asks over it
+        shadow_engine.generate(input_ids=doc + question, sampling_params={"max_new_tokens": 3, "temperature": 0})
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert sum("+compress" in s["label"] for s in steps) == 1
+    assert any(any(c[2] for c in s["chunks"]) for s in steps)  # the second question's chunk: over a compressed prefix
+    loads = [s["gpu_values"] for s in steps]
+    assert loads == sorted(loads) and all(s["pages"]["unused"] >= 0 for s in steps)
+
+
 def test_int8_values_and_landmarks_decode_like_exact_ones(shadow_engine):
     from sglang_shadowkv import Engine
 

@@ -104,8 +104,9 @@ class StepClock:
 class StepLog:
     """--step-log: one JSON line per step, written when the next step launches (so with its wall
     time): its launch in seconds since the scheduler started, label (see StepClock), wall ms, its
-    prompt chunks as [start, tokens, over a compressed prefix], decode rows and the queues at launch
-    (waiting, prefilling, decoding). The aggregate clock says how much time a kind of step took;
+    prompt chunks as [start, tokens, over a compressed prefix], decode rows, the queues at launch
+    (waiting, prefilling, decoding), the pool's pages (unused, lent for GPU values, reserved,
+    cached and unlocked) and with ShadowKV the GPU value loads and drops so far. The aggregate clock says how much time a kind of step took;
     this says when, e.g. which steps held a cold document's first token back. Line-buffered."""
 
     def __init__(self, path: str | None):

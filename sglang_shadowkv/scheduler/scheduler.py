@@ -204,8 +204,14 @@ class Scheduler:
         """What the step log says of a step besides its label and time (see StepLog)."""
         chunks = [[it.start, it.num_new, it.shadowkv is not None and it.shadowkv.layout is not None]
                   for it in prefill_items]
-        return {"chunks": chunks, "decode_rows": len(decode_items), "waiting": len(self.prefill.waiting),
-                "prefilling": len(self.prefill.prefilling), "decoding": len(self.decode.running)}
+        cache, tier = self.cache, self.cache.compressed
+        detail = {"chunks": chunks, "decode_rows": len(decode_items), "waiting": len(self.prefill.waiting),
+                  "prefilling": len(self.prefill.prefilling), "decoding": len(self.decode.running),
+                  "pages": {"unused": cache.pool.num_unused, "lent": cache.pool.lent,
+                            "reserved": cache.reserved_pages, "cached": cache.tree.evictable_pages}}
+        if tier is not None:  # cumulative: a drop between two lines is a segment's GPU values given back
+            detail["gpu_values"] = [tier.counters.gpu_value_loads, tier.counters.gpu_value_drops]
+        return detail
 
     def _launch(self, items: list[StepItem], reqs: list[Req]) -> LaunchedStep:
         """Queue the forward pass and the sampling; book what the step does to each request."""
