@@ -106,8 +106,9 @@ class StepLog:
     time): its launch in seconds since the scheduler started, label (see StepClock), wall ms, its
     prompt chunks as [start, tokens, over a compressed prefix], decode rows, the queues at launch
     (waiting, prefilling, decoding), the pool's pages (unused, lent for GPU values, reserved,
-    cached and unlocked) and with ShadowKV the GPU value loads and drops so far. The aggregate clock says how much time a kind of step took;
-    this says when, e.g. which steps held a cold document's first token back. Line-buffered."""
+    cached and unlocked) and with ShadowKV the GPU value loads and drops so far. The aggregate
+    clock says how much time a kind of step took; this says when, e.g. which steps held a cold
+    document's first token back (benchmarks/step_timeline.py summarises it). Line-buffered."""
 
     def __init__(self, path: str | None):
         self.file = open(path, "a", buffering=1) if path else None
