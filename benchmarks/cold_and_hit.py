@@ -14,7 +14,11 @@ after one untimed round on a 4K document of its own (WARMUP_TOKENS):
   (`cold_beside_clock`), so the step that compresses reads apart from the others;
 - `decode_x16`: 16 questions on the cached document decoding 64 tokens each: the device time of a
   decode step (full: dense graphs; ShadowKV: sparse decode graphs), per step from the step clock
-  (`decode_x16_step_ms`).
+  (`decode_x16_step_ms`);
+- `decode_docs`: up to 32K, questions on DISTINCT_DOCS other cached documents of the same length,
+  one each, decoding together (`decode_docs_step_ms`): what a chat's decode step holds (every row
+  its own document's landmarks, low-rank keys and values), where 16 questions on one document
+  share theirs. With `--profile` it is profiled too (`decode_docs_profile`).
 The first hit and the first 16 at once of a shape may capture a CUDA graph (on first use): they are
 timed apart (`first_hit`, `first_hit_x16`); `hit` is the median of the next three, `hit_x16` the
 median of the next three sets of 16 (new questions each time).
@@ -49,6 +53,8 @@ QUESTION_TOKENS = 64
 CONCURRENT_QUESTIONS = 16
 BESIDE_DECODES = 8  # questions on the cached document decoding while a cold one arrives
 HIT_REPEATS = 3  # hits timed after the first (their median)
+DISTINCT_DOCS = 8  # decode_docs: questions on this many different cached documents, one each
+MAX_DISTINCT_CONTEXT = 32768  # ... at contexts up to this (full attention's pool holds them dense there)
 # Before the timed contexts, each Engine serves one untimed round on a document this long (or the
 # shortest context): a cold request, a hit, 16 hits and their decodes. Without it the first context
 # read slower and scattered between processes of the same code on the H100 (ShadowKV at 16K: a hit
@@ -134,6 +140,20 @@ def _decode_steps(engine, prompts: list[list[int]], tokens: int = 64) -> dict:
     return {"steps": decode["steps"], "step_ms": decode["ms"] / decode["steps"] if decode["steps"] else None}
 
 
+def _distinct_docs_decode(engine, rng, length: int, vocab: int, questions: list[list[int]], profile: bool) -> dict:
+    """DISTINCT_DOCS new documents of `length` tokens cached (prefilled, compressed with ShadowKV),
+    then a question on each decoding together: _decode_steps' step time (once untimed first: its
+    graphs), and with `profile` a profiled round."""
+    docs = [_tokens(rng, length, vocab) for _ in range(DISTINCT_DOCS)]
+    engine.generate(input_ids=[d + questions[0] for d in docs], sampling_params={"max_new_tokens": 1})
+    _decode_steps(engine, [d + q for d, q in zip(docs, questions[1:])], tokens=8)
+    out = _decode_steps(engine, [d + q for d, q in zip(docs, questions[1 + DISTINCT_DOCS:])])
+    if profile:
+        out["profile"] = _profiled(engine, lambda: _decode_steps(engine, [d + q for d, q in zip(docs, questions)]),
+                                   ops=40)
+    return out
+
+
 def _profiled(engine, run, ops: int = 20) -> dict:
     """The top `ops` ops by device and by host time while run() serves its requests."""
     from torch.profiler import ProfilerActivity, profile
@@ -212,12 +232,16 @@ def run_mode(args) -> dict:
             cold_beside = beside(0)
             _decode_steps(engine, [doc + q for q in batches[0]], tokens=8)  # and of 16 decoding
             decode = _decode_steps(engine, [doc + q for q in batches[1]])
+            docs_decode = _distinct_docs_decode(engine, rng, len(doc), vocab, batches[2] + batches[3], args.profile) \
+                if context <= MAX_DISTINCT_CONTEXT else {"step_ms": None, "steps": 0}
             info = engine.get_server_info()
             graphs = info["steps"].get("cuda_graph") or {}
             row = {"context": context, "cold_s": cold, "hit_s": hit, "hit_x16_s": hit_x16,
                    "first_hit_s": first_hit, "first_hit_x16_s": first_hit_x16,
                    "cold_beside_decodes_s": cold_beside["seconds"], "cold_beside_clock": cold_beside["clock"],
                    "decode_x16_step_ms": decode["step_ms"], "decode_x16_steps": decode["steps"],
+                   "decode_docs_step_ms": docs_decode["step_ms"], "decode_docs_steps": docs_decode["steps"],
+                   **({"decode_docs_profile": docs_decode["profile"]} if "profile" in docs_decode else {}),
                    "compressed_prefix_hits": info["stats"].get("compressed_prefix_hits"),
                    "graph_replays_by_variant": graphs.get("replays_by_variant"),
                    "graph_capture_seconds": graphs.get("capture_seconds"), "graph_bytes": graphs.get("graph_bytes")}
@@ -240,7 +264,8 @@ def run_mode(args) -> dict:
             print(f"[{args.mode}] {context:>7}: cold {cold:.3f} s, hit {hit * 1e3:.1f} ms (first {first_hit * 1e3:.0f}), "
                   f"16 hits {hit_x16 * 1e3:.1f} ms (first {first_hit_x16 * 1e3:.0f}), "
                   f"cold beside {BESIDE_DECODES} decodes {cold_beside['seconds']:.3f} s, "
-                  f"decode step of 16 {decode['step_ms'] or 0:.1f} ms", flush=True)
+                  f"decode step of 16 {decode['step_ms'] or 0:.1f} ms, "
+                  f"of {DISTINCT_DOCS} documents {docs_decode['step_ms'] or 0:.1f} ms", flush=True)
         info = engine.get_server_info()
         return {"mode": args.mode, "device": info.get("device"), "rows": rows}
 
@@ -254,7 +279,8 @@ def compare(modes: dict) -> list[dict]:
     for f, s in zip(full["rows"], skv["rows"]):
         out.append({"context": f["context"], **{k.rsplit("_", 1)[0]: s[k] / f[k] if s[k] and f[k] else None
                                                 for k in ("cold_s", "hit_s", "hit_x16_s", "first_hit_s",
-                                                          "cold_beside_decodes_s", "decode_x16_step_ms")}})
+                                                          "cold_beside_decodes_s", "decode_x16_step_ms",
+                                                          "decode_docs_step_ms")}})
     return out
 
 
@@ -288,10 +314,12 @@ def main(argv: list[str] | None = None) -> dict:
                   "modes": modes, "shadowkv_over_full": compare(modes)}
         with open(out, "w") as f:  # after each mode: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
-    print(f"{'context':>8} | ShadowKV / full: cold | hit | 16 hits | cold beside decodes | decode step of 16")
+    print(f"{'context':>8} | ShadowKV / full: cold | hit | 16 hits | cold beside decodes | decode step of 16 | "
+          f"of {DISTINCT_DOCS} documents")
     for r in report["shadowkv_over_full"]:
         print(" | ".join([f"{r['context']:>8}"] + [f"{r[k]:.2f}" if r[k] else "-" for k in
-                                                   ("cold", "hit", "hit_x16", "cold_beside_decodes", "decode_x16_step")]))
+                                                   ("cold", "hit", "hit_x16", "cold_beside_decodes", "decode_x16_step",
+                                                    "decode_docs_step")]))
     return report
 
 

@@ -34,3 +34,18 @@ def test_decode_steps_reads_the_decode_only_steps_of_its_prompts(tiny_model_path
         # (overlap: one more may be launched before the stop is seen)
         assert 5 <= out["steps"] <= 6
         assert out["step_ms"] > 0
+
+
+def test_distinct_documents_decode_together_each_over_its_own_compressed_document(tiny_model_path):
+    import numpy as np
+
+    from benchmarks.cold_and_hit import DISTINCT_DOCS, _distinct_docs_decode
+
+    questions = [[9 + i] * 8 for i in range(1 + 2 * DISTINCT_DOCS)]
+    with Engine(model_path=tiny_model_path, max_total_tokens=12000, **TINY) as engine:
+        out = _distinct_docs_decode(engine, np.random.default_rng(0), 300, 500, questions, profile=False)
+        stats = engine.get_server_info()["stats"]
+        assert stats["compressions"] == DISTINCT_DOCS  # each document compressed once, at its prefill
+        assert stats["compressed_prefix_hits"] >= 2 * DISTINCT_DOCS  # both decoding rounds hit them
+        assert out["steps"] >= 60 and out["step_ms"] > 0  # 64 tokens each, together
+        engine.scheduler.cache.check_integrity([])
