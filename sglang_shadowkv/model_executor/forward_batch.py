@@ -32,6 +32,11 @@ class StepItem:
         return not self.token_ids
 
     @property
+    def over_compressed_prefix(self) -> bool:
+        """Whether the request's prefix is compressed (its tokens take ShadowKV's sparse paths)."""
+        return self.shadowkv is not None and self.shadowkv.layout is not None
+
+    @property
     def num_new(self) -> int:
         return len(self.token_ids) or 1
 

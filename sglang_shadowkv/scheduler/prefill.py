@@ -81,15 +81,16 @@ class PrefillManager:
         ratio = (self.computed_tokens - req.arrival_tokens) / uncached if uncached > 0 else float("inf")
         return -ratio, uncached
 
-    def _admission_order(self) -> list[Req]:
-        """The waiting requests in the order admission tries them."""
+    def _admission_order(self) -> tuple[list[Req], dict[int, int]]:
+        """The waiting requests in the order admission tries them, and the uncached prompt tokens
+        (by id) of those the order was computed from (hrrn's ranked ones; none for fcfs)."""
         if self.policy == "fcfs" or len(self.waiting) < 2:
-            return list(self.waiting)
+            return list(self.waiting), {}
         ranked = list(self.waiting)[:RANKED_WAITING]
         tree = self.cache.tree
         need = {id(r): len(r.input_ids) - tree.cached_len(r.input_ids) for r in ranked}
         ranked.sort(key=lambda r: self._priority(r, need[id(r)]))
-        return ranked + list(self.waiting)[RANKED_WAITING:]
+        return ranked + list(self.waiting)[RANKED_WAITING:], need
 
     def admit(self, free_places: int, nothing_in_flight: bool, running: list[Req]) -> None:
         """Admit waiting requests in order while memory and free_places allow. One that shares a
@@ -105,16 +106,18 @@ class PrefillManager:
         (SGLang's client on the H100), their reservations ~75% of the pool, idle. With the limit
         that chat's first turns prefilled at full attention's rate (105-123K cold tokens per 5 s,
         against 98-106K)."""
-        order = self._admission_order()
+        order, uncached = self._admission_order()
         taken: set[int] = set()
         demand = None
         ahead = sum(len(r.input_ids) - r.num_computed for r in self.prefilling)
         for req in order:
             if free_places <= 0:
                 break
-            if ahead >= ADMITTED_STEPS_AHEAD * self.chunk_budget and \
-                    len(req.input_ids) - self.cache.tree.cached_len(req.input_ids) > self.chunk_budget:
-                continue
+            if ahead >= ADMITTED_STEPS_AHEAD * self.chunk_budget:
+                if id(req) not in uncached:
+                    uncached[id(req)] = len(req.input_ids) - self.cache.tree.cached_len(req.input_ids)
+                if uncached[id(req)] > self.chunk_budget:
+                    continue
             if any(shares_prefill(req, other) for other in self.prefilling):
                 continue
             if demand is None and self.min_context is not None:

@@ -59,7 +59,7 @@ def step_kind(prompt_items: list[StepItem]) -> str:
     follow a compressed prefix: questions on compressed documents) or prefill."""
     if not prompt_items:
         return "decode_only"
-    compressed = all(it.shadowkv is not None and it.shadowkv.layout is not None for it in prompt_items)
+    compressed = all(it.over_compressed_prefix for it in prompt_items)
     return "suffix" if compressed else "prefill"
 
 
@@ -202,8 +202,7 @@ class Scheduler:
 
     def _step_detail(self, prefill_items: list[StepItem], decode_items: list[StepItem]) -> dict:
         """What the step log says of a step besides its label and time (see StepLog)."""
-        chunks = [[it.start, it.num_new, it.shadowkv is not None and it.shadowkv.layout is not None]
-                  for it in prefill_items]
+        chunks = [[it.start, it.num_new, it.over_compressed_prefix] for it in prefill_items]
         cache, tier = self.cache, self.cache.compressed
         detail = {"chunks": chunks, "decode_rows": len(decode_items), "waiting": len(self.prefill.waiting),
                   "prefilling": len(self.prefill.prefilling), "decoding": len(self.decode.running),

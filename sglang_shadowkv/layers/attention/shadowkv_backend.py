@@ -156,7 +156,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
         launches ~200 kernels a layer and the host sets the step's pace (a mixed step at 16K took
         ~190 ms eagerly against ~40 ms from graphs on the H100); its decodes and short suffixes
         replay their graphs, the dense prompt chunks run eagerly beside them."""
-        return any(it.shadowkv is not None and it.shadowkv.layout is not None for it in items)
+        return any(it.over_compressed_prefix for it in items)
 
     def suffix_graph_variant(self, batch: ForwardBatch):
         """A graph batch of suffixes (each padded in place) replays (SUFFIX_GRAPH, the smallest
