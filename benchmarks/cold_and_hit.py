@@ -15,7 +15,7 @@ after one untimed round on a 4K document of its own (WARMUP_TOKENS):
 - `decode_x16`: 16 questions on the cached document decoding 64 tokens each: the device time of a
   decode step (full: dense graphs; ShadowKV: sparse decode graphs), per step from the step clock
   (`decode_x16_step_ms`);
-- `decode_docs`: up to 32K, questions on DISTINCT_DOCS other cached documents of the same length,
+- `decode_docs`: up to 32K, questions on --distinct-docs (default 8) other cached documents of the same length,
   one each, decoding together (`decode_docs_step_ms`): what a chat's decode step holds (every row
   its own document's landmarks, low-rank keys and values), where 16 questions on one document
   share theirs. With `--profile` it is profiled too (`decode_docs_profile`).
@@ -53,7 +53,7 @@ QUESTION_TOKENS = 64
 CONCURRENT_QUESTIONS = 16
 BESIDE_DECODES = 8  # questions on the cached document decoding while a cold one arrives
 HIT_REPEATS = 3  # hits timed after the first (their median)
-DISTINCT_DOCS = 8  # decode_docs: questions on this many different cached documents, one each
+DISTINCT_DOCS = 8  # decode_docs' default: questions on this many different cached documents, one each
 MAX_DISTINCT_CONTEXT = 32768  # ... at contexts up to this (full attention's pool holds them dense there)
 # Before the timed contexts, each Engine serves one untimed round on a document this long (or the
 # shortest context): a cold request, a hit, 16 hits and their decodes. Without it the first context
@@ -140,14 +140,15 @@ def _decode_steps(engine, prompts: list[list[int]], tokens: int = 64) -> dict:
     return {"steps": decode["steps"], "step_ms": decode["ms"] / decode["steps"] if decode["steps"] else None}
 
 
-def _distinct_docs_decode(engine, rng, length: int, vocab: int, questions: list[list[int]], profile: bool) -> dict:
-    """DISTINCT_DOCS new documents of `length` tokens cached (prefilled, compressed with ShadowKV),
-    then a question on each decoding together: _decode_steps' step time (once untimed first: its
+def _distinct_docs_decode(engine, rng, length: int, vocab: int, count: int, profile: bool) -> dict:
+    """`count` new documents of `length` tokens cached (prefilled, compressed with ShadowKV), then a
+    new question on each decoding together: _decode_steps' step time (once untimed first: its
     graphs), and with `profile` a profiled round."""
-    docs = [_tokens(rng, length, vocab) for _ in range(DISTINCT_DOCS)]
+    docs = [_tokens(rng, length, vocab) for _ in range(count)]
+    questions = [_tokens(rng, QUESTION_TOKENS, vocab) for _ in range(1 + 2 * count)]
     engine.generate(input_ids=[d + questions[0] for d in docs], sampling_params={"max_new_tokens": 1})
     _decode_steps(engine, [d + q for d, q in zip(docs, questions[1:])], tokens=8)
-    timed = [d + q for d, q in zip(docs, questions[1 + DISTINCT_DOCS:])]
+    timed = [d + q for d, q in zip(docs, questions[1 + count:])]
     out = _decode_steps(engine, timed)
     if profile:  # the timed round again (as decode_x16_profile does)
         out["profile"] = _profiled(engine, lambda: _decode_steps(engine, timed), ops=40)
@@ -203,6 +204,7 @@ def run_mode(args) -> dict:
     kwargs = {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path}
     if args.mode == "shadowkv":
         kwargs["shadowkv_compress_policy"] = "eager"
+        kwargs.update(engine_args(args.engine_arg))
     with Engine(attention=args.mode, **{k: v for k, v in kwargs.items() if v is not None}) as engine:
         vocab = engine.scheduler.vocab_size
         longest = engine.scheduler.context_length - QUESTION_TOKENS - 1
@@ -232,7 +234,7 @@ def run_mode(args) -> dict:
             cold_beside = beside(0)
             _decode_steps(engine, [doc + q for q in batches[0]], tokens=8)  # and of 16 decoding
             decode = _decode_steps(engine, [doc + q for q in batches[1]])
-            docs_decode = _distinct_docs_decode(engine, rng, len(doc), vocab, batches[2] + batches[3], args.profile) \
+            docs_decode = _distinct_docs_decode(engine, rng, len(doc), vocab, args.distinct_docs, args.profile) \
                 if context <= MAX_DISTINCT_CONTEXT else {"step_ms": None, "steps": 0}
             info = engine.get_server_info()
             graphs = info["steps"].get("cuda_graph") or {}
@@ -265,9 +267,23 @@ def run_mode(args) -> dict:
                   f"16 hits {hit_x16 * 1e3:.1f} ms (first {first_hit_x16 * 1e3:.0f}), "
                   f"cold beside {BESIDE_DECODES} decodes {cold_beside['seconds']:.3f} s, "
                   f"decode step of 16 {decode['step_ms'] or 0:.1f} ms, "
-                  f"of {DISTINCT_DOCS} documents {docs_decode['step_ms'] or 0:.1f} ms", flush=True)
+                  f"of {args.distinct_docs} documents {docs_decode['step_ms'] or 0:.1f} ms", flush=True)
         info = engine.get_server_info()
         return {"mode": args.mode, "device": info.get("device"), "rows": rows}
+
+
+def engine_args(pairs: list[str]) -> dict:
+    """--engine-arg KEY=VALUE pairs as Engine keywords (VALUE read as JSON, else as text)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-arg takes KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def compare(modes: dict) -> list[dict]:
@@ -291,6 +307,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 131072])
     ap.add_argument("--modes", nargs="+", default=["full", "shadowkv"], choices=["full", "shadowkv"])
     ap.add_argument("--profile", action="store_true", help="torch.profiler around ShadowKV's cold request, hit and 16 hits")
+    ap.add_argument("--distinct-docs", type=int, default=DISTINCT_DOCS,
+                    help="decode_docs: questions on this many different cached documents decode together")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="an Engine keyword for the ShadowKV engine, e.g. shadowkv_disable_gpu_values=true")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -303,7 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
     for mode in args.modes:  # one process per mode: each gets the whole GPU
         cmd = [sys.executable, __file__, "--mode", mode, "--contexts", *map(str, args.contexts)]
         cmd += [f"--{k}={v}" for k, v in (("model-path", args.model_path), ("tokenizer-path", args.tokenizer_path))
-                if v is not None] + (["--profile"] if args.profile else [])
+                if v is not None] + (["--profile"] if args.profile else []) + [f"--engine-arg={a}" for a in args.engine_arg]
+        cmd += [f"--distinct-docs={args.distinct_docs}"]
         run = subprocess.run(cmd, capture_output=True, text=True)
         sys.stdout.write("".join(line + "\n" for line in run.stdout.splitlines() if not line.startswith("RESULT ")))
         result = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
@@ -311,11 +332,12 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"{mode} failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
         modes[mode] = json.loads(result[-1][len("RESULT "):])
         report = {"model_path": args.model_path or "embedded", "question_tokens": QUESTION_TOKENS,
+                  "shadowkv_engine_args": engine_args(args.engine_arg),
                   "modes": modes, "shadowkv_over_full": compare(modes)}
         with open(out, "w") as f:  # after each mode: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
     print(f"{'context':>8} | ShadowKV / full: cold | hit | 16 hits | cold beside decodes | decode step of 16 | "
-          f"of {DISTINCT_DOCS} documents")
+          f"of {args.distinct_docs} documents")
     for r in report["shadowkv_over_full"]:
         print(" | ".join([f"{r['context']:>8}"] + [f"{r[k]:.2f}" if r[k] else "-" for k in
                                                    ("cold", "hit", "hit_x16", "cold_beside_decodes", "decode_x16_step",

@@ -6,7 +6,8 @@ The log is split into runs at idle gaps (no step for `--gap` seconds: a client's
 a benchmark's next workload). Per run: its span, then per `--bucket` seconds the steps, their wall
 time, the cold prompt tokens (chunks not over a compressed prefix), the suffix tokens (over one),
 the decode rows, the most prompts admitted at once and, with ShadowKV, the GPU value loads and
-drops in that bucket; then every step slower than `--slow-ms` (a compile, a capture, a stall).
+drops in that bucket, the decode rows over compressed chunks (sparse) and those reading every value
+from HBM, and the most pages lent for GPU values; then every step slower than `--slow-ms` (a compile, a capture, a stall).
 `--json` prints the same as JSON.
 """
 
@@ -49,6 +50,10 @@ def summarise_run(run: list[dict], bucket_s: float, slow_ms: int) -> dict:
             b["value_loads"] += step["gpu_values"][0] - last_values[0]
             b["value_drops"] += step["gpu_values"][1] - last_values[1]
             last_values = step["gpu_values"]
+        if step.get("sparse_rows") is not None:
+            b["sparse_rows"] += step["sparse_rows"][0]
+            b["hbm_rows"] += step["sparse_rows"][1]
+            b["most_lent"] = max(b["most_lent"], step["pages"]["lent"])
     return {"start_s": round(start, 2), "span_s": round(run[-1]["t"] + run[-1]["ms"] / 1000 - start, 2),
             "steps": len(run),
             "buckets": [{"from_s": k * bucket_s, **v} for k, v in sorted(buckets.items())],
@@ -69,12 +74,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(json.dumps(runs, indent=1))
         return runs
     cols = ("steps", "ms", "cold_tokens", "suffix_tokens", "decode_rows", "most_prefilling", "value_loads",
-            "value_drops")
+            "value_drops", "sparse_rows", "hbm_rows", "most_lent")
     for i, run in enumerate(runs):
         print(f"run {i}: from {run['start_s']} s, {run['span_s']} s, {run['steps']} steps")
-        print("  from_s " + " ".join(f"{c:>15s}" for c in cols))
+        print("  from_s " + " ".join(f"{c:>12s}" for c in cols))
         for b in run["buckets"]:
-            print(f"  {b['from_s']:6.0f} " + " ".join(f"{b.get(c, 0):>15d}" for c in cols))
+            print(f"  {b['from_s']:6.0f} " + " ".join(f"{b.get(c, 0):>12d}" for c in cols))
         for s in run["slow_steps"]:
             print(f"  slow: {s['at_s']} s {s['label']} {s['ms']} ms")
     return runs

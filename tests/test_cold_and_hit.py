@@ -41,11 +41,21 @@ def test_distinct_documents_decode_together_each_over_its_own_compressed_documen
 
     from benchmarks.cold_and_hit import DISTINCT_DOCS, _distinct_docs_decode
 
-    questions = [[9 + i] * 8 for i in range(1 + 2 * DISTINCT_DOCS)]
     with Engine(model_path=tiny_model_path, max_total_tokens=12000, **TINY) as engine:
-        out = _distinct_docs_decode(engine, np.random.default_rng(0), 300, 500, questions, profile=False)
+        out = _distinct_docs_decode(engine, np.random.default_rng(0), 300, 500, DISTINCT_DOCS, profile=False)
         stats = engine.get_server_info()["stats"]
         assert stats["compressions"] == DISTINCT_DOCS  # each document compressed once, at its prefill
         assert stats["compressed_prefix_hits"] >= 2 * DISTINCT_DOCS  # both decoding rounds hit them
         assert out["steps"] >= 60 and out["step_ms"] > 0  # 64 tokens each, together
         engine.scheduler.cache.check_integrity([])
+
+
+def test_engine_args_are_read_as_json_or_text_and_a_pair_without_a_value_is_refused():
+    import pytest
+
+    from benchmarks.cold_and_hit import engine_args
+
+    assert engine_args(["shadowkv_disable_gpu_values=true", "shadowkv_max_budget=64", "shadowkv_budget=auto"]) == {
+        "shadowkv_disable_gpu_values": True, "shadowkv_max_budget": 64, "shadowkv_budget": "auto"}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        engine_args(["shadowkv_max_budget"])

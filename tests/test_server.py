@@ -162,3 +162,44 @@ def test_info_endpoints(server):
     assert httpx.get(server + "/get_server_info", timeout=10).json()["memory"]["tree_pages"] == 0
     models = httpx.get(server + "/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == server_info["served_model_name"]
+
+
+def test_request_bodies_are_tokenized_off_the_event_loop(tmp_path):
+    """Tokenizing a long prompt takes tens of ms: it runs on a parsing thread (the event loop keeps
+    streaming other requests), and a ValueError raised there is still the request's 400."""
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from sglang_shadowkv.entrypoints.http_server import build_app
+    from sglang_shadowkv.managers.tokenizer_manager import ModelInfo, TokenizerManager
+    from sglang_shadowkv.server_args import ServerArgs
+
+    threads = []
+
+    class RecordingTokenizer:
+        def apply_chat_template(self, messages, tokenize, **kwargs):
+            return "".join(m["content"] for m in messages)
+
+        def encode(self, text, add_special_tokens):
+            threads.append(threading.current_thread().name)
+            return [1] * len(text)
+
+    info = ModelInfo(tokenizer=RecordingTokenizer(), model_path="m", context_length=32, vocab_size=8,
+                     max_total_tokens=64)
+    tm = TokenizerManager(info, f"ipc://{tmp_path}/scheduler", f"ipc://{tmp_path}/tm")
+    try:
+        client = TestClient(build_app(tm, ServerArgs()))
+        bad_after_tokenizing = [
+            ("/generate", {"text": "abc", "stream": "yes"}, "stream"),
+            ("/v1/completions", {"model": "m", "prompt": "abc", "logprobs": -1}, "logprobs"),
+            ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "abc"}],
+                                      "logprobs": "x"}, "logprobs"),
+            ("/generate", {"text": 5}, "text"),  # raised on the parsing thread itself
+        ]
+        for route, body, field in bad_after_tokenizing:
+            resp = client.post(route, json=body)
+            assert resp.status_code == 400 and field in resp.json()["error"]["message"], (route, resp.text)
+        assert len(threads) == 3 and all(name.startswith("parse") for name in threads)
+    finally:
+        tm.close()

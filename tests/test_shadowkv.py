@@ -260,6 +260,9 @@ def test_the_step_log_shows_a_compression_and_the_gpu_values(shadow_engine, tmp_
     assert any(any(c[2] for c in s["chunks"]) for s in steps)  # the second question's chunk: over a compressed prefix
     loads = [s["gpu_values"] for s in steps]
     assert loads == sorted(loads) and all(s["pages"]["unused"] >= 0 for s in steps)
+    assert loads[-1][0] == loads[0][0] + 1  # the document's values went onto the device (the pool is nearly empty)
+    sparse = [s["sparse_rows"] for s in steps if s["decode_rows"]]
+    assert [1, 1] in sparse and all(0 <= held <= rows <= 1 for rows, held in sparse)  # the second question's decode
 
 
 def test_int8_values_and_landmarks_decode_like_exact_ones(shadow_engine):

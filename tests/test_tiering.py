@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from sglang_shadowkv import Engine
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.scheduler import demotion
+from sglang_shadowkv.scheduler.compressed_tier import EAGER_SHARE
 
 DOC_TOKENS = 600
 TIER = dict(attention="shadowkv", shadowkv_min_context=256, shadowkv_local_window=16, shadowkv_rank_cap=8,
@@ -133,6 +134,33 @@ def test_long_documents_asked_at_once_beyond_the_pool_are_compressed_at_prefill(
     compressing = sum(n - before.get(k, 0) for k, n in after.items() if k.startswith("clock ") and
                       "+compress " in k and k.endswith(" steps"))
     assert compressing >= 1  # the step clock names the steps that compressed a prompt
+
+
+def test_a_document_is_compressed_at_prefill_when_running_compressed_requests_hold_the_room(tiny_model_path):
+    """The dense room is the pool less what compressed requests in use hold (segments, GPU values,
+    scratch rows): beside five questions decoding over compressed documents a new document is
+    compressed at its prefill (though it is a fifth of the pool); alone it stays dense."""
+    with Engine(model_path=tiny_model_path, max_total_tokens=4000, **TIER) as engine:
+        sched, tier = engine.scheduler, engine.scheduler.cache.compressed
+        tier.policy = "eager"
+        engine.generate(input_ids=[document(30 + i) + question(0) for i in range(5)], sampling_params=[GREEDY] * 5)
+        tier.policy = "tier"
+        busy = [sched.add_request(f"d{i}", document(30 + i) + question(1 + i),
+                                  SamplingParams(max_new_tokens=40, ignore_eos=True)) for i in range(5)]
+        for _ in range(3):
+            sched.step()
+        assert tier.held_pages() > sched.pool.capacity - DOC_TOKENS / (EAGER_SHARE * sched.page_size)
+        before = tier.counters.compressed_requests
+        new = sched.add_request("new", document(40) + question(5), SamplingParams(max_new_tokens=2, ignore_eos=True))
+        while not new.finished:
+            sched.step()
+        assert tier.counters.compressed_requests == before + 1 and not any(r.finished for r in busy)
+        while sched.has_work:
+            sched.step()
+            sched.cache.check_integrity(sched.running)
+        assert tier.held_pages() == 0  # nothing in use: the cached segments can be dropped
+        engine.generate(input_ids=document(41) + question(5), sampling_params=GREEDY)
+        assert tier.counters.compressed_requests == before + 1  # alone it stays dense
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["doc", "doc", "doc", "short", "step", "step", "abort", "flush", "evict"]),

@@ -118,7 +118,7 @@ def build_app(tm: TokenizerManager, args: ServerArgs, alive=lambda: True,
     @app.post("/generate")
     async def generate(request: Request):
         body = await json_body(request)
-        reqs, single, stream = parse_generate(tm, body)
+        reqs, single, stream = await tm.parse(parse_generate, tm, body)
         streams = await wait_or_abort_on_disconnect(request, tm.start_batch(reqs))
         single = single and len(streams) == 1  # n > 1 answers a list, as SGLang does
         if not stream:

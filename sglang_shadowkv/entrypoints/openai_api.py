@@ -38,7 +38,7 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, served_name: str) -> N
     async def completions(request: Request):
         body = await json_body(request)
         check_fields(body, COMPLETION_FIELDS, "/v1/completions")
-        prompts = _completion_prompts(tm, body.get("prompt"))
+        prompts = await tm.parse(_completion_prompts, tm, body.get("prompt"))
         top = body.get("logprobs")
         if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
             raise ValueError(f"logprobs must be a non-negative integer (top logprobs per token), got {top!r}")
@@ -56,7 +56,7 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, served_name: str) -> N
     async def chat_completions(request: Request):
         body = await json_body(request)
         check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
-        ids = _chat_prompt(tm, body)
+        ids = await tm.parse(_chat_prompt, tm, body)
         wants = body.get("logprobs") or False
         if not isinstance(wants, bool):
             raise ValueError("logprobs must be a boolean")

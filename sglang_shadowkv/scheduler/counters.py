@@ -106,7 +106,8 @@ class StepLog:
     time): its launch in seconds since the scheduler started, label (see StepClock), wall ms, its
     prompt chunks as [start, tokens, over a compressed prefix], decode rows, the queues at launch
     (waiting, prefilling, decoding), the pool's pages (unused, lent for GPU values, reserved,
-    cached and unlocked) and with ShadowKV the GPU value loads and drops so far. The aggregate
+    cached and unlocked) and with ShadowKV the GPU value loads and drops so far and the decode rows
+    over compressed chunks with how many of them read every value from HBM. The aggregate
     clock says how much time a kind of step took; this says when, e.g. which steps held a cold
     document's first token back (benchmarks/step_timeline.py summarises it). Line-buffered."""
 

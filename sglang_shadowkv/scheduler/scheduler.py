@@ -210,6 +210,10 @@ class Scheduler:
                             "reserved": cache.reserved_pages, "cached": cache.tree.evictable_pages}}
         if tier is not None:  # cumulative: a drop between two lines is a segment's GPU values given back
             detail["gpu_values"] = [tier.counters.gpu_value_loads, tier.counters.gpu_value_drops]
+            sparse = [it.shadowkv.layout for it in decode_items if it.over_compressed_prefix]
+            # decode rows over compressed chunks, and those of them whose values all sit in HBM (the
+            # rest gather their missed chunks' values over PCIe)
+            detail["sparse_rows"] = [len(sparse), sum(all(seg.value_pages for seg in lay.segments) for lay in sparse)]
         return detail
 
     def _launch(self, items: list[StepItem], reqs: list[Req]) -> LaunchedStep:
