@@ -182,8 +182,7 @@ class ModelRunner:
         prompt chunks over compressed prefixes from a suffix graph, the rest eagerly (what a graph
         cannot hold joins the eager part). None when no part can replay a graph."""
         decodes = [i for i, it in enumerate(items) if it.is_decode]
-        suffixes = [i for i, it in enumerate(items) if not it.is_decode and it.shadowkv is not None
-                    and it.shadowkv.layout is not None]
+        suffixes = [i for i, it in enumerate(items) if not it.is_decode and it.over_compressed_prefix]
         parts = []
         for rows, run in ((decodes, self.graphs.run), (suffixes, self.graphs.run_suffixes)):
             logits = run([items[i] for i in rows]) if rows else None

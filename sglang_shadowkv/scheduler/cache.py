@@ -176,7 +176,7 @@ class CacheManager:
         request holds them there through a lock, like a matched prefix. With a compressed prefix,
         the pages up to its last compressed chunk."""
         whole = len(req.input_ids) // self.page_size
-        if req.shadowkv is not None and req.shadowkv.layout is not None:
+        if req.over_compressed_prefix:
             # up to its last compressed chunk: the dense tail stays the request's, to be compressed
             # with what it generates when that grows long (CompressedTier._compress_tail)
             whole = min(whole, req.shadowkv.layout.compressed_end // self.page_size)

@@ -37,7 +37,7 @@ def tier_stats(tier: "CompressedTier", running: list[Req]) -> dict:
     """Totals over running requests with a compressed prefix (and per request), the cache's
     compressed state and bytes per tier, pool capacity, and the cumulative counters."""
     tier.settle_ranks(wait=True)
-    live = [r for r in running if r.shadowkv is not None and r.shadowkv.layout is not None]
+    live = [r for r in running if r.over_compressed_prefix]
     reports = [tier.report(r) for r in live]
     total = {key: sum(r[key] for r in reports) for key in RUNNING_TOTALS}
     total["gpu_saving_vs_full"] = total["full_kv_bytes"] / total["gpu_total_bytes"] if reports else 0.0

@@ -50,7 +50,7 @@ def long_document_demand(reqs: list[Req], min_context: int) -> int:
     the first min_context tokens of a prompt at least that long)."""
     seen, total = set(), 0
     for req in reqs:
-        if len(req.input_ids) < min_context or (req.shadowkv is not None and req.shadowkv.layout is not None):
+        if len(req.input_ids) < min_context or req.over_compressed_prefix:
             continue
         if req.document_key is None:
             req.document_key = hash(tuple(req.input_ids[:min_context]))

@@ -56,6 +56,11 @@ class Req:
         return self.finish_reason is not None
 
     @property
+    def over_compressed_prefix(self) -> bool:
+        """Whether its prefix holds compressed chunks (matched at admission or its own, compressed)."""
+        return self.shadowkv is not None and self.shadowkv.layout is not None
+
+    @property
     def may_sample(self) -> bool:
         """Whether another token may be sampled (counting tokens still on the device)."""
         return len(self.input_ids) + self.num_sampled < self.max_total_len

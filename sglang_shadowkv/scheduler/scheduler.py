@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -52,6 +53,16 @@ def valid_token_ids(input_ids: list, vocab_size: int) -> bool:
     Python test per token cost ~8 ms for a 128K-token prompt, in every request's time to first
     token."""
     return set(map(type, input_ids)) <= {int} and 0 <= min(input_ids) and max(input_ids) < vocab_size
+
+
+class LaunchRecord(NamedTuple):
+    """A launched step as the step clock and the step log book it once the next launch ends its time."""
+    kind: str
+    label: str
+    started: float
+    prompt_tokens: int
+    decode_rows: int
+    detail: dict | None  # the step log's fields (None: no step log)
 
 
 def step_kind(prompt_items: list[StepItem]) -> str:
@@ -96,8 +107,7 @@ class Scheduler:
         self.step_clock = StepClock()
         self.device_timer = DeviceStepTimer(self.step_clock, self.runner.device)
         self.step_log = StepLog(args.step_log)
-        # (kind, label, when, prompt tokens, decode rows, the step log's detail) of the last step
-        self._last_launch: tuple | None = None
+        self._last_launch: LaunchRecord | None = None
         if self.runner.device.type == "cuda" and not args.skip_server_warmup:
             warm_up(self)
 
@@ -175,8 +185,9 @@ class Scheduler:
             self.counters.prefill_steps += kind != "decode_only"
             self.counters.suffix_steps += kind == "suffix"
             label = step_label(kind, decode_items, prefill_items)
-            self._last_launch = (kind, label, now, sum(it.num_new for it in prefill_items), len(decode_items),
-                                 self._step_detail(prefill_items, decode_items) if self.step_log.file else None)
+            self._last_launch = LaunchRecord(kind, label, now, sum(it.num_new for it in prefill_items),
+                                             len(decode_items),
+                                             self._step_detail(prefill_items, decode_items) if self.step_log.file else None)
             started = self.device_timer.start()
             launched = self._launch(items, reqs)
             self.device_timer.stop(label, started)
@@ -190,14 +201,14 @@ class Scheduler:
 
     def _time_last_launch(self, now: float) -> None:
         """Book the time since the last launch to its kind of step and its label."""
-        if self._last_launch is not None:
-            kind, label, started, prompt_tokens, decode_rows, detail = self._last_launch
-            ms = round(1000 * (now - started))
-            name = kind + "_step_ms"
+        last = self._last_launch
+        if last is not None:
+            ms = round(1000 * (now - last.started))
+            name = last.kind + "_step_ms"
             setattr(self.counters, name, getattr(self.counters, name) + ms)
-            self.step_clock.book(label, ms, prompt_tokens, decode_rows)
-            if detail is not None:
-                self.step_log.write(started, label, ms, detail)
+            self.step_clock.book(last.label, ms, last.prompt_tokens, last.decode_rows)
+            if last.detail is not None:
+                self.step_log.write(last.started, last.label, ms, last.detail)
         self._last_launch = None
 
     def _step_detail(self, prefill_items: list[StepItem], decode_items: list[StepItem]) -> dict:
