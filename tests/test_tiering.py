@@ -150,6 +150,7 @@ def test_a_document_is_compressed_at_prefill_when_running_compressed_requests_ho
         for _ in range(3):
             sched.step()
         assert tier.held_pages() > sched.pool.capacity - DOC_TOKENS / (EAGER_SHARE * sched.page_size)
+        assert engine.get_server_info()["memory"]["compressed_in_use_pages"] == tier.held_pages()
         before = tier.counters.compressed_requests
         new = sched.add_request("new", document(40) + question(5), SamplingParams(max_new_tokens=2, ignore_eos=True))
         while not new.finished:

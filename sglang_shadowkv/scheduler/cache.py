@@ -229,11 +229,11 @@ class CacheManager:
 
     def memory_stats(self, running: list[Req]) -> dict:
         running_pages = sum(sum(isinstance(e, int) for e in r.pages[r.num_borrowed:]) for r in running)
-        compressed = scratch = 0
+        compressed = scratch = in_use = 0
         if self.compressed is not None:
-            decoder = self.compressed.decoder
             compressed = len(self.compressed.store.held_pages())
-            scratch = (decoder.max_rows - decoder.free_rows) * decoder.row_pages
+            scratch = self.compressed.decoder.taken_row_pages
+            in_use = self.compressed.held_pages()
         return {
             "page_size": self.page_size,
             "total_pages": self.pool.capacity,
@@ -243,6 +243,9 @@ class CacheManager:
             "compressed_pages": compressed,
             "lent_pages": self.pool.lent,  # of those, GPU values: taken back at once when pages are needed
             "scratch_pages": scratch,  # running requests' chunk-cache scratch rows, in the pool's pages
+            # segments requests read (with their GPU values) and scratch rows: what the tier rule
+            # keeps out of the room for dense documents (CompressedTier.held_pages)
+            "compressed_in_use_pages": in_use,
             "evictable_pages": self.tree.evictable_pages,
             "running_request_pages": running_pages,
             "reserved_pages": self.reserved_pages,

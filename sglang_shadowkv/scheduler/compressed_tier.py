@@ -117,8 +117,7 @@ class CompressedTier:
         is compressing (with their GPU values) and the scratch rows of running requests. Segments
         only the cache holds are not counted: they can be dropped."""
         in_use = [seg for seg in self.store.live.values() if not seg.droppable]
-        rows = self.decoder.max_rows - self.decoder.free_rows
-        return sum(len(seg.pages) + len(seg.value_pages) for seg in in_use) + rows * self.decoder.row_pages
+        return sum(len(seg.pages) + len(seg.value_pages) for seg in in_use) + self.decoder.taken_row_pages
 
     def check_capacity(self, prompt_len: int) -> None:
         span = self.cfg.compressed_len(prompt_len, self.page_size)

@@ -122,6 +122,11 @@ class SparseDecoder:
     def free_rows(self) -> int:
         return len(self._free_rows)
 
+    @property
+    def taken_row_pages(self) -> int:
+        """Dense-pool pages the taken scratch rows hold."""
+        return (self.max_rows - self.free_rows) * self.row_pages
+
     def free_row_ids(self) -> list[int]:
         """The free scratch rows (a copy; for accounting checks)."""
         return list(self._free_rows)
