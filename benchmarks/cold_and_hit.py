@@ -33,6 +33,8 @@ Each mode runs in its own process (one GPU's memory each), then the two are comp
 
     python benchmarks/cold_and_hit.py --model-path random:llama-3.1-8b --tokenizer-path DIR --profile
     python benchmarks/cold_and_hit.py --contexts 1024 --model-path random:smollm2-135m   # CPU check
+    python benchmarks/cold_and_hit.py ... --contexts 16384 --modes shadowkv --distinct-docs 40 --profile \
+        --engine-arg shadowkv_disable_gpu_values=true   # a chat's decode step, values over PCIe
 
 Writes --out (default $OUT/cold_and_hit.json or benchmarks/results/cold_and_hit.json) and prints a table.
 """
