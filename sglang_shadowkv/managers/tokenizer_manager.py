@@ -66,6 +66,8 @@ class TokenizerManager:
         self._call_ids = itertools.count()
         self._recv_task: asyncio.Task | None = None
         self._parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="parse")
+        if self.tokenizer is not None:  # the first encode may reset the backend's padding/truncation
+            self.tokenizer.encode("", add_special_tokens=False)  # (a write): here, before threads share it
 
     def start(self) -> None:
         """Start routing outputs (call from inside the server's event loop)."""
