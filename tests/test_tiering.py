@@ -149,8 +149,8 @@ def test_a_document_is_compressed_at_prefill_when_running_compressed_requests_ho
                                   SamplingParams(max_new_tokens=40, ignore_eos=True)) for i in range(5)]
         for _ in range(3):
             sched.step()
-        assert tier.held_pages() > sched.pool.capacity - DOC_TOKENS / (EAGER_SHARE * sched.page_size)
-        assert engine.get_server_info()["memory"]["compressed_in_use_pages"] == tier.held_pages()
+        assert tier.in_use_pages() > sched.pool.capacity - DOC_TOKENS / (EAGER_SHARE * sched.page_size)
+        assert engine.get_server_info()["memory"]["compressed_in_use_pages"] == tier.in_use_pages()
         before = tier.counters.compressed_requests
         new = sched.add_request("new", document(40) + question(5), SamplingParams(max_new_tokens=2, ignore_eos=True))
         while not new.finished:
@@ -159,7 +159,7 @@ def test_a_document_is_compressed_at_prefill_when_running_compressed_requests_ho
         while sched.has_work:
             sched.step()
             sched.cache.check_integrity(sched.running)
-        assert tier.held_pages() == 0  # nothing in use: the cached segments can be dropped
+        assert tier.in_use_pages() == 0  # nothing in use: the cached segments can be dropped
         engine.generate(input_ids=document(41) + question(5), sampling_params=GREEDY)
         assert tier.counters.compressed_requests == before + 1  # alone it stays dense
 

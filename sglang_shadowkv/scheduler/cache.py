@@ -233,7 +233,7 @@ class CacheManager:
         if self.compressed is not None:
             compressed = len(self.compressed.store.held_pages())
             scratch = self.compressed.decoder.taken_row_pages
-            in_use = self.compressed.held_pages()
+            in_use = self.compressed.in_use_pages()
         return {
             "page_size": self.page_size,
             "total_pages": self.pool.capacity,
@@ -244,7 +244,7 @@ class CacheManager:
             "lent_pages": self.pool.lent,  # of those, GPU values: taken back at once when pages are needed
             "scratch_pages": scratch,  # running requests' chunk-cache scratch rows, in the pool's pages
             # segments requests read (with their GPU values) and scratch rows: what the tier rule
-            # keeps out of the room for dense documents (CompressedTier.held_pages)
+            # keeps out of the room for dense documents (CompressedTier.in_use_pages)
             "compressed_in_use_pages": in_use,
             "evictable_pages": self.tree.evictable_pages,
             "running_request_pages": running_pages,

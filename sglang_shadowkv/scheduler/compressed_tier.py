@@ -7,7 +7,7 @@ Demoter (demotion.py) turns the least recently used long dense spans of the tree
 segments, and eviction drops compressed state last. A long prompt is compressed at its prefill
 only when it could never be held dense: the long documents asked for at once (running and
 waiting, counted once per document) exceed EAGER_SHARE of the pool's pages that the compressed
-state requests use does not hold (held_pages). Why not of the whole pool: with 48 chat sessions
+state requests use does not hold (in_use_pages). Why not of the whole pool: with 48 chat sessions
 over their own 16K documents (SGLang's client on the H100), once the queue shrank the last 14
 documents were prefilled dense into the pages lent for the running sessions' GPU values, 29 of
 them were given back, and the last turns decoded from host memory at 2.7 ms a row instead of HBM.
@@ -112,7 +112,7 @@ class CompressedTier:
             self.droppable_pages += len(seg.pages) if droppable else -len(seg.pages)
             seg.droppable = droppable
 
-    def held_pages(self) -> int:
+    def in_use_pages(self) -> int:
         """Dense-pool pages the compressed state in use holds: the segments some request reads or
         is compressing (with their GPU values) and the scratch rows of running requests. Segments
         only the cache holds are not counted: they can be dropped."""
@@ -133,8 +133,8 @@ class CompressedTier:
         matched_chunks = any(isinstance(e, ChunkRef) for e in entries)
         start = len(entries) * self.page_size
         own = self.cfg.compressed_len(len(req.input_ids) - start, self.page_size)
-        dense_room = self.pool.capacity - self.held_pages()
-        if own and self.policy == "tier" and long_demand <= EAGER_SHARE * dense_room * self.page_size:
+        if own and self.policy == "tier" and \
+                long_demand <= EAGER_SHARE * (self.pool.capacity - self.in_use_pages()) * self.page_size:
             own = 0  # it can be held dense: compressed later only if memory runs short
         if not matched_chunks and not own:
             return None
