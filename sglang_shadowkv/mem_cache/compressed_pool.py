@@ -205,7 +205,7 @@ class ShadowKVPool:
                       host_runs=_contiguous_runs(host))
         self.basis_pages[seg.seg_id] = to_device(torch.tensor(basis_pages, dtype=torch.int32), self.device)
         self.chunk_pos[seg.chunk_slots] = (start + torch.arange(n, device=self.device) * self.chunk_size).int()
-        self.chunk_basis[seg.chunk_slots] = seg.seg_id
+        self.chunk_basis.index_fill_(0, seg.chunk_slots, seg.seg_id)  # (`t[idx] = int` copies a host scalar: a wait)
         self.host_slot[seg.chunk_slots] = to_device(torch.tensor(host, dtype=torch.int32), self.device)
         self.live[seg.seg_id] = seg
         return seg
@@ -375,7 +375,7 @@ class ShadowKVPool:
         if pages:
             if self.h2d_stream is not None:  # the pages' next owner writes after the copies into them
                 torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
-            self.value_home[seg.chunk_slots] = -1
+            self.value_home.index_fill_(0, seg.chunk_slots, -1)
             self.kv.give_back(pages)
         return len(pages)
 

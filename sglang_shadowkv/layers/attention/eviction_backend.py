@@ -77,7 +77,7 @@ class EvictionAttentionBackend(AttentionBackend):
                        for _ in pool.k_buffers]
 
     def forward(self, q, k, v, layer, batch):
-        self.hidden[layer][batch.out_cache_loc] = False  # a reused slot starts visible
+        self.hidden[layer].index_fill_(0, batch.out_cache_loc, False)  # a reused slot starts visible
         return super().forward(q, k, v, layer, batch)
 
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
