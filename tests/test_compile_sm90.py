@@ -1,0 +1,52 @@
+"""The decode path's Triton kernels compile for the H100 (sm_90) with the server's types: a bf16
+pool, Llama-3.1-8B's heads and ShadowKV's default rank. The interpreter runs the other kernel tests;
+it accepts code the compiler rejects, and the lent GPU found that only after a device call."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import sys
+sys.path.insert(0, "maintainers/lent_gpu")
+import torch
+from compile_sm90 import compile_only
+from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys
+from sglang_shadowkv.kernels.sparse_decode_attention import sparse_decode_attention
+from sglang_shadowkv.layers.rotary import RotaryEmbedding
+from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
+from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
+
+chunk, hkv, head_dim, rank, group, batch, entries = 8, 8, 128, 160, 4, 3, 7
+kv = PagedKVPool(64, chunk, 1, hkv, head_dim, torch.bfloat16, "cpu")
+store = ShadowKVPool(kv, rank, host_chunks=100, max_segments=8)
+seg = store.alloc_segment(0, 17 * chunk, 1)
+rotary = RotaryEmbedding(head_dim, 500000.0, 2048)
+slots = seg.chunk_slots[torch.randint(0, 17, (batch, hkv, entries))].int()
+table = torch.tensor(kv.alloc(8), dtype=torch.int32).view(2, 4)
+rows = torch.tensor([0, 1, 0], dtype=torch.int32)
+with compile_only() as compiled:
+    rebuild_keys(store.a_lo[0], store.a_hi[0], *store.basis_memory(0), rotary.cos_cache, rotary.sin_cache,
+                 store.chunk_pos, store.chunk_basis, slots, store.blocks_k[0], table, rows, store.basis_rank[0])
+    for queries in (1, 32):  # a decode step, a suffix's tile
+        q = torch.randn(batch * queries, hkv * group, head_dim).bfloat16()
+        for splits in (1, 3):
+            sparse_decode_attention(q, store.blocks_k[0], store.blocks_v[0],
+                                    torch.full((batch, hkv, 2), -1, dtype=torch.int32), table, rows,
+                                    torch.arange(entries, dtype=torch.int32).expand(batch, hkv, -1).contiguous(),
+                                    torch.randn(40, hkv, head_dim).bfloat16(), torch.randn(40, hkv, head_dim).bfloat16(),
+                                    torch.tensor([0, 3, 3, 10], dtype=torch.int32), torch.arange(10, dtype=torch.int32),
+                                    head_dim ** -0.5, queries_per_request=queries, splits=splits)
+print(" ".join(sorted(set(compiled))))
+"""
+
+
+def test_decode_kernels_compile_for_sm90_with_the_servers_types():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["_merge_splits_kernel", "_rebuild_keys_kernel", "_sparse_decode_kernel"]
