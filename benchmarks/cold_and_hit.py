@@ -24,11 +24,11 @@ timed apart (`first_hit`, `first_hit_x16`); `hit` is the median of the next thre
 median of the next three sets of 16 (new questions each time).
 ShadowKV runs `--shadowkv-compress-policy eager`, so the document is compressed at its prefill
 (at the default policy, `tier`, it would stay dense and be served as full attention serves it:
-that path is full attention's). With `--profile`, torch.profiler then runs around another ShadowKV cold
-request, a hit, 16 hits at once, a cold request beside decodes and 16 decoding questions (not the timed ones; in both
-modes for the decodes), and the top ops by device and
-by host time go into the JSON: where the time goes; and `host_syncs` counts, for the same four, the places where the
-engine waited for the device.
+that path is full attention's). With `--profile`, torch.profiler then runs around another cold request
+and 16 decoding questions (in both modes: `cold_profile_difference` lists the ops whose device time
+differs most between them), and ShadowKV's hit, 16 hits at once and cold request beside decodes (not
+the timed ones); the top ops by device and by host time go into the JSON: where the time goes; and
+`host_syncs` counts, for ShadowKV's four, the places where the engine waited for the device.
 Each mode runs in its own process (one GPU's memory each), then the two are compared.
 
     python benchmarks/cold_and_hit.py --model-path random:llama-3.1-8b --tokenizer-path DIR --profile
@@ -57,6 +57,7 @@ BESIDE_DECODES = 8  # questions on the cached document decoding while a cold one
 HIT_REPEATS = 3  # hits timed after the first (their median)
 DISTINCT_DOCS = 8  # decode_docs' default: questions on this many different cached documents, one each
 MAX_DISTINCT_CONTEXT = 32768  # ... at contexts up to this (full attention's pool holds them dense there)
+COLD_PROFILE_OPS = 80  # ops listed for the profiled cold request: enough for both modes' tails to overlap
 # Before the timed contexts, each Engine serves one untimed round on a document this long (or the
 # shortest context): a cold request, a hit, 16 hits and their decodes. Without it the first context
 # read slower and scattered between processes of the same code on the H100 (ShadowKV at 16K: a hit
@@ -249,19 +250,21 @@ def run_mode(args) -> dict:
                    "compressed_prefix_hits": info["stats"].get("compressed_prefix_hits"),
                    "graph_replays_by_variant": graphs.get("replays_by_variant"),
                    "graph_capture_seconds": graphs.get("capture_seconds"), "graph_bytes": graphs.get("graph_bytes")}
-            if args.profile:
+            if args.profile:  # again, profiled (the timings above are not); the cold request in both modes
                 row["decode_x16_profile"] = _profiled(
                     engine, lambda: _decode_steps(engine, [doc + q for q in batches[1]]), ops=40)
-            if args.profile and args.mode == "shadowkv":  # again, profiled (the timings above are not)
                 engine.flush_cache()
-                row["profile"] = {"cold": _profiled(engine, lambda: _timed(engine, [doc + questions[0]])),
-                                  "hit": _profiled(engine, lambda: _timed(engine, [doc + questions[2]])),
-                                  "hit_x16": _profiled(engine, lambda: _timed(engine, [doc + q for q in batches[1]])),
-                                  "cold_beside": _profiled(engine, lambda: beside(1)),
-                                  "host_syncs": {
-                                      "hit": _host_syncs(engine, lambda: _timed(engine, [doc + questions[3]])),
-                                      "hit_x16": _host_syncs(engine, lambda: _timed(engine, [doc + q for q in batches[0]])),
-                                      "cold_beside": _host_syncs(engine, lambda: beside(2))}}
+                row["profile"] = {"cold": _profiled(engine, lambda: _timed(engine, [doc + questions[0]]),
+                                                    ops=COLD_PROFILE_OPS)}
+            if args.profile and args.mode == "shadowkv":
+                row["profile"].update({
+                    "hit": _profiled(engine, lambda: _timed(engine, [doc + questions[2]])),
+                    "hit_x16": _profiled(engine, lambda: _timed(engine, [doc + q for q in batches[1]])),
+                    "cold_beside": _profiled(engine, lambda: beside(1)),
+                    "host_syncs": {
+                        "hit": _host_syncs(engine, lambda: _timed(engine, [doc + questions[3]])),
+                        "hit_x16": _host_syncs(engine, lambda: _timed(engine, [doc + q for q in batches[0]])),
+                        "cold_beside": _host_syncs(engine, lambda: beside(2))}})
                 engine.flush_cache()
                 row["profile"]["host_syncs"]["cold"] = _host_syncs(engine, lambda: _timed(engine, [doc + questions[0]]))
             rows.append(row)
@@ -302,13 +305,34 @@ def compare(modes: dict) -> list[dict]:
     return out
 
 
+def cold_profile_difference(modes: dict, top: int = 25) -> list[dict]:
+    """Per context, the ops whose device time in the profiled cold request differs most between
+    the modes (ShadowKV's ms minus full attention's; an op outside a mode's listed top counts 0
+    there): where a cold document's extra time goes (compression, its copies, its planning)."""
+    full, skv = modes.get("full"), modes.get("shadowkv")
+    if not full or not skv:
+        return []
+    out = []
+    for f, s in zip(full["rows"], skv["rows"]):
+        if "profile" not in f or "profile" not in s:
+            continue
+        ms = [{e["op"]: e["ms"] for e in row["profile"]["cold"]["device_top"]} for row in (f, s)]
+        ops = sorted(set(ms[0]) | set(ms[1]), key=lambda op: -abs(ms[1].get(op, 0.0) - ms[0].get(op, 0.0)))
+        out.append({"context": f["context"], "ops": [
+            {"op": op, "extra_ms": ms[1].get(op, 0.0) - ms[0].get(op, 0.0), "shadowkv_ms": ms[1].get(op, 0.0),
+             "full_ms": ms[0].get(op, 0.0)} for op in ops[:top]]})
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M")
     ap.add_argument("--tokenizer-path", default=None)
     ap.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 131072])
     ap.add_argument("--modes", nargs="+", default=["full", "shadowkv"], choices=["full", "shadowkv"])
-    ap.add_argument("--profile", action="store_true", help="torch.profiler around ShadowKV's cold request, hit and 16 hits")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler around the cold request (both modes: cold_profile_difference compares "
+                         "them), and ShadowKV's hit, 16 hits and cold request beside decodes")
     ap.add_argument("--distinct-docs", type=int, default=DISTINCT_DOCS,
                     help="decode_docs: questions on this many different cached documents decode together")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -336,6 +360,8 @@ def main(argv: list[str] | None = None) -> dict:
         report = {"model_path": args.model_path or "embedded", "question_tokens": QUESTION_TOKENS,
                   "shadowkv_engine_args": engine_args(args.engine_arg),
                   "modes": modes, "shadowkv_over_full": compare(modes)}
+        if args.profile:
+            report["cold_profile_difference"] = cold_profile_difference(modes)
         with open(out, "w") as f:  # after each mode: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
     print(f"{'context':>8} | ShadowKV / full: cold | hit | 16 hits | cold beside decodes | decode step of 16 | "

@@ -59,3 +59,18 @@ def test_engine_args_are_read_as_json_or_text_and_a_pair_without_a_value_is_refu
         "shadowkv_disable_gpu_values": True, "shadowkv_max_budget": 64, "shadowkv_budget": "auto"}
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         engine_args(["shadowkv_max_budget"])
+
+
+def test_cold_profile_difference_ranks_ops_by_shadowkvs_extra_device_time():
+    from benchmarks.cold_and_hit import cold_profile_difference
+
+    def mode(ops):
+        return {"rows": [{"context": 16384, "profile": {"cold": {"device_top": [
+            {"op": op, "ms": ms, "calls": 1} for op, ms in ops.items()]}}}]}
+
+    modes = {"full": mode({"gemm": 300.0, "attention": 140.0, "norm": 20.0}),
+             "shadowkv": mode({"gemm": 312.0, "attention": 139.0, "eigh": 9.0, "gram": 4.0})}
+    [row] = cold_profile_difference(modes, top=3)
+    assert row["context"] == 16384
+    assert [(e["op"], e["extra_ms"]) for e in row["ops"]] == [("norm", -20.0), ("gemm", 12.0), ("eigh", 9.0)]
+    assert cold_profile_difference({"shadowkv": modes["shadowkv"]}) == []  # one mode: nothing to compare
