@@ -291,13 +291,16 @@ def engine_args(pairs: list[str]) -> dict:
     return out
 
 
+def _row_pairs(modes: dict) -> list[tuple[dict, dict]]:
+    """Full attention's and ShadowKV's rows, context by context (none unless both modes ran)."""
+    full, skv = modes.get("full"), modes.get("shadowkv")
+    return list(zip(full["rows"], skv["rows"])) if full and skv else []
+
+
 def compare(modes: dict) -> list[dict]:
     """ShadowKV's time over full attention's, per context and measure (lower is better)."""
-    full, skv = modes.get("full"), modes.get("shadowkv")
-    if not full or not skv:
-        return []
     out = []
-    for f, s in zip(full["rows"], skv["rows"]):
+    for f, s in _row_pairs(modes):
         out.append({"context": f["context"], **{k.rsplit("_", 1)[0]: s[k] / f[k] if s[k] and f[k] else None
                                                 for k in ("cold_s", "hit_s", "hit_x16_s", "first_hit_s",
                                                           "cold_beside_decodes_s", "decode_x16_step_ms",
@@ -309,11 +312,8 @@ def cold_profile_difference(modes: dict, top: int = 25) -> list[dict]:
     """Per context, the ops whose device time in the profiled cold request differs most between
     the modes (ShadowKV's ms minus full attention's; an op outside a mode's listed top counts 0
     there): where a cold document's extra time goes (compression, its copies, its planning)."""
-    full, skv = modes.get("full"), modes.get("shadowkv")
-    if not full or not skv:
-        return []
     out = []
-    for f, s in zip(full["rows"], skv["rows"]):
+    for f, s in _row_pairs(modes):
         if "profile" not in f or "profile" not in s:
             continue
         ms = [{e["op"]: e["ms"] for e in row["profile"]["cold"]["device_top"]} for row in (f, s)]
