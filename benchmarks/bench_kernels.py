@@ -37,6 +37,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # --smoke on a CPU: the Triton kernels timed there run under the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from sglang_shadowkv.kernels import gather_values as gv  # noqa: E402
 from sglang_shadowkv.kernels.gather_values import gather_values, gather_values_reference  # noqa: E402
 from sglang_shadowkv.kernels.ragged_paged_attention import (  # noqa: E402
     ragged_paged_attention, ragged_paged_attention_reference)
@@ -129,28 +130,16 @@ def bandwidth_and_overlap(num_slots: int, batch: int, entries: int) -> dict:
                    store.chunk_pos, store.chunk_basis, jobs, blocks_k, scratch_pages, rows, store.basis_rank[0])
 
     t_rebuild = timeit(rebuild)
-    side = torch.cuda.Stream() if CUDA else None
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count if CUDA else 1
     grids = []
-    for programs in (sms // 2, sms, 2 * sms, 4 * sms, 16 * sms):
+    for programs in (sms // 2, sms, 2 * sms, 4 * sms, 8 * sms, 16 * sms):
         def gather():
             if CUDA:
                 gather_values(host, store.host_slot, jobs, blocks_v, scratch_pages, rows, programs=programs)
             else:
                 gather_values_reference(host, store.host_slot, jobs, blocks_v, scratch_pages, rows)
 
-        def both():
-            if side is None:
-                gather()
-                rebuild()
-                return
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                gather()
-            rebuild()
-            torch.cuda.current_stream().wait_stream(side)
-
-        t_gather, t_both = timeit(gather), timeit(both)
+        t_gather, t_both = timeit(gather), timeit(on_two_streams(gather, rebuild))
         grids.append({"programs": programs, "gather_GBps": moved / t_gather / 1e9,
                       "gather_vs_copy": t_copy / t_gather, "gather_ms": t_gather * 1e3,
                       "both_two_streams_ms": t_both * 1e3,
@@ -159,9 +148,28 @@ def bandwidth_and_overlap(num_slots: int, batch: int, entries: int) -> dict:
     (gather_values if CUDA else gather_values_reference)(host, store.host_slot, jobs, blocks_v, scratch_pages, rows)
     entry = blocks_v[scratch_pages[1, 5].item() * HKV + 3]  # row 1, entry 5, KV head 3
     ok = torch.equal(entry.cpu(), host[store.host_slot[jobs[1, 3, 5]].item(), 3])
-    best = grids[2]  # the default grid: two programs per SM
+    best = next(g for g in grids if g["programs"] == gv.PROGRAMS_PER_SM * sms)  # the default grid
     return {"chunks_moved": jobs.numel(), "bytes": moved, "pinned_h2d_copy_GBps": moved / t_copy / 1e9,
             "rebuild_ms": t_rebuild * 1e3, "gather_correct": ok, **best, "by_grid": grids}
+
+
+def on_two_streams(side_fn, main_fn):
+    """A callable running side_fn on a side stream beside main_fn, as the decoder runs the value
+    gather beside the key rebuild (one after the other on a CPU)."""
+    side = torch.cuda.Stream() if CUDA else None
+
+    def both():
+        if side is None:
+            side_fn()
+            main_fn()
+            return
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            side_fn()
+        main_fn()
+        torch.cuda.current_stream().wait_stream(side)
+
+    return both
 
 
 # ---- 3: one decode layer -----------------------------------------------------------------------------
@@ -267,7 +275,7 @@ def key_split_cost(shapes: list[tuple[int, int]]) -> list[dict]:
                 kv, kv, indptr if queries == 1 else torch.zeros_like(indptr),
                 torch.arange(requests * window, device=DEV).int(), D ** -0.5)
         lse = torch.empty(requests * queries, HQ, device=DEV)
-        splits = default_key_splits(requests, HKV, queries, outliers, entries, CHUNK, DEV)
+        splits = default_key_splits(requests, HKV, queries, outliers, entries, CHUNK, DEV, HQ // HKV)
         one = timeit(replayed(lambda: sparse_decode_attention(*args, lse=lse, queries_per_request=queries, splits=1)))
         auto = timeit(replayed(lambda: sparse_decode_attention(*args, lse=lse, queries_per_request=queries)))
         rows.append({"requests": requests, "queries": queries, "splits": splits, "one_split_us": one * 1e6,

@@ -1,4 +1,4 @@
-"""The decode path's Triton kernels compile for the H100 (sm_90) with the server's types: a bf16
+"""The decode path's Triton kernels (and compression's value quantization) compile for the H100 (sm_90) with the server's types: a bf16
 pool, Llama-3.1-8B's heads and ShadowKV's default rank. The interpreter runs the other kernel tests;
 it accepts code the compiler rejects, and the lent GPU found that only after a device call."""
 
@@ -14,6 +14,8 @@ import sys
 sys.path.insert(0, "maintainers/lent_gpu")
 import torch
 from compile_sm90 import compile_only
+from sglang_shadowkv.kernels.gather_values import gather_values
+from sglang_shadowkv.kernels.quantize_chunks import quantize_chunks
 from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys
 from sglang_shadowkv.kernels.sparse_decode_attention import sparse_decode_attention
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
@@ -25,10 +27,18 @@ kv = PagedKVPool(64, chunk, 1, hkv, head_dim, torch.bfloat16, "cpu")
 store = ShadowKVPool(kv, rank, host_chunks=100, max_segments=8)
 seg = store.alloc_segment(0, 17 * chunk, 1)
 rotary = RotaryEmbedding(head_dim, 500000.0, 2048)
-slots = seg.chunk_slots[torch.randint(0, 17, (batch, hkv, entries))].int()
+slots = seg.chunk_slots[torch.randint(0, 17, (batch, hkv, entries))]  # int64, as the chunk-cache plan hands them
 table = torch.tensor(kv.alloc(8), dtype=torch.int32).view(2, 4)
 rows = torch.tensor([0, 1, 0], dtype=torch.int32)
+values = ShadowKVPool(PagedKVPool(64, chunk, 1, hkv, head_dim, torch.bfloat16, "cpu"), rank, host_chunks=100,
+                      max_segments=8, value_dtype=torch.int8, landmark_dtype=torch.int8)  # the GPU's default
+value_seg = values.alloc_segment(0, 17 * chunk, 1)
+value_jobs = value_seg.chunk_slots[torch.randint(0, 17, (batch, hkv, entries))]
+value_table = torch.tensor(values.kv.alloc(8), dtype=torch.int32).view(2, 4)
 with compile_only() as compiled:
+    quantize_chunks(torch.randn(17 * chunk, hkv + 1, head_dim).bfloat16()[:, :hkv], chunk)  # compression's values
+    gather_values(values.host_v[0], values.host_slot, value_jobs, values.blocks_v[0], value_table, rows,
+                  values.value_scale[0], values.resident(0), programs=4)
     rebuild_keys(store.a_lo[0], store.a_hi[0], *store.basis_memory(0), rotary.cos_cache, rotary.sin_cache,
                  store.chunk_pos, store.chunk_basis, slots, store.blocks_k[0], table, rows, store.basis_rank[0])
     for queries in (1, 32):  # a decode step, a suffix's tile
@@ -49,4 +59,5 @@ def test_decode_kernels_compile_for_sm90_with_the_servers_types():
     done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["_merge_splits_kernel", "_rebuild_keys_kernel", "_sparse_decode_kernel"]
+    assert done.stdout.split() == ["_gather_values_kernel", "_merge_splits_kernel", "_quantize_chunks_kernel",
+                                    "_rebuild_keys_kernel", "_sparse_decode_kernel"]

@@ -172,7 +172,8 @@ def shadow_pair():
     graphed.shutdown()
 
 
-def test_startup_runs_each_selection_compile_class_once_plain_and_with_a_long_window(shadow_pair, monkeypatch):
+def test_startup_runs_each_selection_compile_class_once_plain_with_a_long_window_and_as_suffixes(shadow_pair,
+                                                                                                 monkeypatch):
     """On a GPU the runner runs these variants eagerly at startup so no request waits for a Triton
     compile; here their stand-in steps run eagerly over the same buffers."""
     from sglang_shadowkv.kernels.chunk_selection import compile_class
@@ -184,13 +185,16 @@ def test_startup_runs_each_selection_compile_class_once_plain_and_with_a_long_wi
     assert {compile_class(w) for w in widths} == {compile_class(w) for w in all_widths}
     assert len(widths) == len({compile_class(w) for w in widths}) and max(widths) == max(all_widths)
     assert [v for v in variants if isinstance(v, tuple)] == [("long_window", w) for w in widths]
+    suffix_variants = graphs.backend.compile_suffix_variants()
+    assert suffix_variants == [("suffix", w) for w in widths]  # suffixes select per KV head: compiled apart
     ran, forward = [], graphs._forward
     monkeypatch.setattr(graphs, "_forward", lambda batch, key: (ran.append(key), forward(batch, key)))
     monkeypatch.setattr(graphs, "_warmed", set())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    graphs._compile(variants)
-    graphs._compile(variants)  # already compiled: nothing runs again
-    assert ran == [(bs, v) for v in variants for bs in (1, 4)]  # the smallest and the largest batch
+    graphs._compile(graphs._compile_keys())
+    graphs._compile(graphs._compile_keys())  # already compiled: nothing runs again
+    assert ran == ([(bs, v) for v in variants for bs in (1, 4)]  # the smallest and the largest batch
+                   + [(("suffix", n, t), v) for v in suffix_variants for t in (16, 256) for n in (1, 16)])
 
 
 def test_shadowkv_mixed_batches_give_the_eager_tokens(shadow_pair):

@@ -88,7 +88,7 @@ def test_segments_take_their_pages_from_the_dense_pool_and_give_them_back():
         assert pool.host_slot[seg.chunk_slots].tolist() == seg.host_slots
     assert len(third.host_runs) == 2
     values = torch.randn(6, 2, 4, 8)
-    pool.write_host_values(0, third, values)
+    pool.write_host_values(0, third, values.transpose(1, 2).reshape(24, 2, 8))  # given token-major
     torch.testing.assert_close(pool.host_v[0][third.host_slots], values)
     torch.testing.assert_close(pool.read_host_values(0, third, 1, 4), values[1:5])
     assert pool.alloc_segment(0, 28, 1) is None  # 7 chunks: the host pool has 3 left
@@ -124,7 +124,7 @@ def test_int8_values_and_landmarks_round_trip_within_half_a_step():
     landmarks = values.mean(2)
     segs = [p.alloc_segment(0, 24, 1) for p in (exact, int8)]
     for p, seg in zip((exact, int8), segs):
-        p.write_host_values(0, seg, values)
+        p.write_host_values(0, seg, values.transpose(1, 2).reshape(24, 2, 8))
         p.write_landmarks(0, seg, landmarks)
     exact_seg, seg = segs
     assert int8.host_v[0].dtype == int8.landmarks[0].dtype == torch.int8

@@ -172,8 +172,8 @@ def test_rebuild_keys(chunk_size, rank, hkv, head_dim, ranked):
 
 
 @pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("chunk_size,head_dim", [(8, 64), (8, 128), (4, 32)])
-def test_gather_values(chunk_size, head_dim, int8):
+@pytest.mark.parametrize("chunk_size,head_dim,jobs_per_step", [(8, 64, 1), (8, 128, 4), (4, 32, 8)])
+def test_gather_values(chunk_size, head_dim, jobs_per_step, int8):
     gen = torch.Generator().manual_seed(chunk_size + head_dim + int8)
     batch, hkv, entries, slots = 4, 2, 7, 50
     host = torch.randn(slots, hkv, chunk_size, head_dim, generator=gen)
@@ -195,7 +195,8 @@ def test_gather_values(chunk_size, head_dim, int8):
     blocks[_page_blocks(poisoned, hkv)] = float("nan")
     host_slot = torch.randperm(slots, generator=gen).int().to(DEVICE)  # chunk slot -> host slot
     blocks, pages = blocks.to(DEVICE), scratch_pages.to(DEVICE)
-    got = gather_values(host, host_slot, jobs, blocks.clone(), pages, rows, scale)
+    got = gather_values(host, host_slot, jobs, blocks.clone(), pages, rows, scale, programs=3,
+                        jobs_per_step=jobs_per_step)
     want = gather_values_reference(host, host_slot, jobs, blocks.clone(), pages, rows, scale)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert_writes_only_jobs(want, blocks, poisoned, scratch_pages, rows, jobs)
@@ -225,7 +226,8 @@ def test_gather_values_reads_resident_chunks_from_the_gpu_copy(int8):
     host_slot = torch.randperm(slots, generator=gen).int().to(DEVICE)
     args = (host.to(DEVICE), host_slot, jobs)
     res = (home.to(DEVICE), res_k, res_v)
-    got = gather_values(*args, blocks.clone(), pages, rows, scale, resident=res)
+    got = gather_values(*args, blocks.clone(), pages, rows, scale, resident=res,
+                        jobs_per_step=16)  # 36 jobs: the last step is partly past the end
     want = gather_values_reference(*args, blocks.clone(), pages, rows, scale, resident=res)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for b, h, e in (jobs >= 0).nonzero().tolist():  # each job's source, spelled out
@@ -328,7 +330,22 @@ def test_key_splits_fill_idle_sms_in_powers_of_two(monkeypatch):
     assert sda.key_splits(64, 38, gpu) == 4  # 5 wanted
     assert sda.key_splits(8, 3, gpu) == 1  # too few blocks to split
     assert sda.key_splits(67, 38, gpu) == 1  # the programs fill half the SMs
+    assert sda.key_splits(128, 19, gpu, least=2) == 2  # a decode launch splits at least twice
+    assert sda.key_splits(128, 7, gpu, least=2) == 1  # unless its blocks are too few
     assert sda.key_splits(8, 38, torch.device("cpu")) == 1
+
+
+def test_decode_batches_and_suffix_tiles_take_their_own_launch(monkeypatch):
+    import sglang_shadowkv.kernels.sparse_decode_attention as sda
+
+    monkeypatch.setattr(sda, "_sm_count", lambda device: 132)
+    gpu = torch.device("cuda")
+    # 16 decoding requests, Llama-3.1-8B heads, 48 outliers and 256 entries of 8 tokens: 128-key
+    # blocks (3 + 16), split twice; 16 tiles of 64 queries: 64-key blocks on 8 warps, not split
+    assert sda.launch_for(*sda.program_rows(1, 4)) is sda.DECODE_LAUNCH
+    assert sda.default_key_splits(16, 8, 1, 48, 256, 8, gpu, 4) == 2
+    assert sda.launch_for(*sda.program_rows(64, 4)) is sda.TILE_LAUNCH
+    assert sda.default_key_splits(16, 8, 64, 48, 256, 8, gpu, 4) == 1
 
 
 def test_sparse_attention_of_nothing_is_zero_with_minus_infinite_lse():
@@ -481,3 +498,25 @@ def test_select_decode_chunks(num_chunks, group, adaptive):
     assert torch.equal(got_hist, want_hist)
     counts = (got[:4] >= 0).sum(-1).cpu()
     assert adaptive == bool((counts < budgets[:4, None]).any())  # the adaptive budget took fewer than the cap
+
+
+@pytest.mark.parametrize("chunk_size,head_dim", [(8, 128), (4, 32), (3, 16)])
+def test_quantize_chunks(chunk_size, head_dim):
+    """The one-pass int8 host format equals the torch path's bit for bit: values, ties rounded to
+    even, scales; from a strided token-major view (the dense pool's), with an all-zero chunk."""
+    from sglang_shadowkv.kernels.quantize_chunks import quantize_chunks, quantize_chunks_reference
+
+    gen = torch.Generator().manual_seed(chunk_size + head_dim)
+    tokens, heads = 5 * chunk_size, 3
+    v = torch.randn(tokens, heads + 1, head_dim, generator=gen) * torch.logspace(-3, 2, tokens)[:, None, None]
+    v[:chunk_size, 1] = 0  # a chunk of zeros: scale at its floor, all zero
+    v[chunk_size:2 * chunk_size, 2, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1: ties at .5
+    v = v.bfloat16().to(DEVICE)[:, :heads]  # a strided view, as the pool's values are
+    got_values, got_scale = quantize_chunks(v, chunk_size)
+    want_values, want_scale = quantize_chunks_reference(v, chunk_size)
+    assert got_values.dtype == torch.int8 and got_values.shape == (5, heads, chunk_size, head_dim)
+    torch.testing.assert_close(got_scale, want_scale, rtol=0, atol=0)
+    assert torch.equal(got_values, want_values)
+    assert got_values[1, 2, 0, :4].tolist() == [127, 0, 2, -2]
+    with pytest.raises(ValueError, match="multiple of"):
+        quantize_chunks(v[:-1], chunk_size)

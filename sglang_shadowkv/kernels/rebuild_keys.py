@@ -25,6 +25,11 @@ from sglang_shadowkv.kernels.rotary import rotate_reference
 from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_jobs
 
 ROWS_PER_PROGRAM = 128  # key rows a program rebuilds together (entries x chunk tokens): one tensor-core tile
+# low-rank columns per step of a program's loop, its warps and pipeline stages (None: Triton's
+# default). On the H100 (benchmarks/tune_decode_kernels.py, 16 requests x 256 chunks per KV head)
+# 64 columns in one stage took 163 µs a layer against 190 for 32 in Triton's default 3; 8 warps
+# and 64-row programs failed to compile there (Triton 3.6)
+RANK_BLOCK, WARPS, STAGES = 64, 4, 1
 
 
 def basis_rows_reference(k_pages, v_pages, basis_pages, bases, rank):
@@ -156,6 +161,6 @@ def rebuild_keys(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, chunk_pos,
         a_lo.stride(0), a_lo.stride(1), a_hi.stride(0), a_hi.stride(1), k_pages.stride(0), k_pages.stride(1),
         basis_pages.stride(0), cos.stride(0), jobs.stride(0), jobs.stride(1),
         blocks_k.stride(0), blocks_k.stride(1), scratch_pages.stride(0),
-        CHUNK=c, CHUNK_PAD=chunk_pad, HALF=d // 2, BLOCK_E=block_e, BLOCK_R=32,
-        RANKED=basis_rank is not None)
+        CHUNK=c, CHUNK_PAD=chunk_pad, HALF=d // 2, BLOCK_E=block_e, BLOCK_R=RANK_BLOCK,
+        RANKED=basis_rank is not None, num_warps=WARPS, **({} if STAGES is None else {"num_stages": STAGES}))
     return blocks_k

@@ -19,6 +19,7 @@ QUERY_BLOCK queries instead of once per query (64 queries per tile read them 64 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,7 +31,29 @@ from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_blocks
 # (bench_kernels key_splits shapes) 16 queries on 4 warps took 680 µs a layer for 16 tiles of 64
 # queries against 511 (one tile: 65 against 52 µs); decode programs (16 rows) keep 4 warps
 TILE_QUERY_BLOCK = 32
-WIDE_PROGRAM_ROWS = 128  # a program with this many dot rows runs on 8 warps
+WIDE_PROGRAM_ROWS = 128  # a program with this many dot rows (a suffix's tile) runs on 8 warps
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a program walks its keys: keys folded per step, warps, pipeline stages (None: Triton's
+    default) and the least key splits (more when programs alone leave SMs idle, `key_splits`)."""
+    keys_per_block: int
+    warps: int
+    stages: int | None
+    least_splits: int
+
+
+# decode programs (rows below WIDE_PROGRAM_ROWS): on the H100, 16 requests x 304 chunks of 8 tokens
+# (benchmarks/tune_decode_kernels.py) took 69 µs a layer this way against 103 µs for 64 keys, 3
+# stages and no split (48 requests: 185 against 245 µs). Suffix tiles keep the settings measured
+# with them (bench_kernels key_splits: splits there lost 18% for 4 tiles).
+DECODE_LAUNCH = Launch(keys_per_block=128, warps=4, stages=2, least_splits=2)
+TILE_LAUNCH = Launch(keys_per_block=64, warps=8, stages=None, least_splits=1)
+
+
+def launch_for(query_block: int, group_pad: int) -> Launch:
+    return TILE_LAUNCH if query_block * group_pad >= WIDE_PROGRAM_ROWS else DECODE_LAUNCH
 
 
 def program_rows(queries: int, group: int, max_query_block: int = TILE_QUERY_BLOCK) -> tuple[int, int]:
@@ -41,9 +64,9 @@ def program_rows(queries: int, group: int, max_query_block: int = TILE_QUERY_BLO
     return query_block, max(triton.next_power_of_2(group), triton.cdiv(16, query_block))
 
 
-def chunks_per_key_block(chunk: int) -> int:
-    """Chunks a program folds per step: 64 keys."""
-    return max(1, 64 // chunk)
+def chunks_per_key_block(chunk: int, launch: Launch) -> int:
+    """Chunks a program folds per step: the launch's keys per block."""
+    return max(1, launch.keys_per_block // chunk)
 
 
 def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries,
@@ -214,9 +237,10 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
         raise ValueError(f"q's {n} rows are not {queries_per_request} queries per request")
     group = hq // hkv
     query_block, group_pad = program_rows(queries_per_request, group)
+    launch = launch_for(query_block, group_pad)
     if splits is None:
         splits = default_key_splits(b, hkv, queries_per_request, outlier_blocks.shape[2], entries.shape[2], chunk,
-                                    q.device)
+                                    q.device, group)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     if splits > 1:  # partial outputs and log-sum-exps per split, merged below
@@ -232,8 +256,8 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
         scratch_pages.stride(0), entries.stride(0), entries.stride(1),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), dest.stride(-3), dest.stride(-2),
         queries_per_request, lse is not None or splits > 1, splits, GROUP=group, GROUP_PAD=group_pad,
-        QUERY_BLOCK=query_block, HEAD_DIM=d, CHUNK=chunk, CHUNKS_PER_BLOCK=chunks_per_key_block(chunk), BLOCK_W=32,
-        num_warps=8 if query_block * group_pad >= WIDE_PROGRAM_ROWS else 4)
+        QUERY_BLOCK=query_block, HEAD_DIM=d, CHUNK=chunk, CHUNKS_PER_BLOCK=chunks_per_key_block(chunk, launch),
+        BLOCK_W=32, num_warps=launch.warps, **({} if launch.stages is None else {"num_stages": launch.stages}))
     if splits > 1:
         _merge_splits_kernel[(n * hq,)](part_out, part_lse, out, part_lse if lse is None else lse, n * hq, hq,
                                         out.stride(0), out.stride(1), splits, lse is not None,
@@ -264,28 +288,31 @@ def _merge_splits_kernel(PART_OUT, PART_LSE, O_OUT, LSE, ROWS, HEADS, stride_ob,
 
 
 def default_key_splits(requests: int, hkv: int, queries_per_request: int, num_outliers: int, num_entries: int,
-                       chunk: int, device: torch.device) -> int:
+                       chunk: int, device: torch.device, group: int) -> int:
     """The splits `sparse_decode_attention` takes for a call of these shapes (see `key_splits`)."""
-    query_block, _ = program_rows(queries_per_request, 1)
-    per_block = chunks_per_key_block(chunk)
+    query_block, group_pad = program_rows(queries_per_request, group)
+    launch = launch_for(query_block, group_pad)
+    per_block = chunks_per_key_block(chunk, launch)
     programs = requests * hkv * triton.cdiv(queries_per_request, query_block)
-    return key_splits(programs, triton.cdiv(num_outliers, per_block) + triton.cdiv(num_entries, per_block), device)
+    return key_splits(programs, triton.cdiv(num_outliers, per_block) + triton.cdiv(num_entries, per_block), device,
+                      launch.least_splits)
 
 
 MIN_BLOCKS_PER_SPLIT = 4  # a split's least work: its fixed cost (q, output, merge) is a few blocks'
 MAX_SPLITS = 16
 
 
-def key_splits(programs: int, key_blocks: int, device: torch.device) -> int:
-    """How many ways to split each program's key blocks: none once the programs fill half the
-    SMs (on the H100, 3 splits of 128 programs gained nothing for a decode batch and lost 18% for
-    4 suffix tiles); else enough for two programs per SM, each split at least
-    MIN_BLOCKS_PER_SPLIT blocks, at most MAX_SPLITS, rounded down to a power of two; 1 on a CPU.
-    Measured there (benchmarks/bench_kernels.py key_splits, 9 splits): a decode batch of 1 took
-    25 µs a layer instead of 103, one 64-query tile 68 instead of 214."""
-    if device.type != "cuda" or 2 * programs > _sm_count(device):
+def key_splits(programs: int, key_blocks: int, device: torch.device, least: int = 1) -> int:
+    """How many ways to split each program's key blocks: `least` (the launch's) once the programs
+    fill half the SMs (on the H100, 3 splits of 128 programs lost 18% for 4 suffix tiles, where 2
+    of a decode batch's gained 18%: DECODE_LAUNCH); else enough for two programs per SM; each
+    split at least MIN_BLOCKS_PER_SPLIT blocks, at most MAX_SPLITS, rounded down to a power of two;
+    1 on a CPU. Measured there (benchmarks/bench_kernels.py key_splits, 9 splits): a decode batch
+    of 1 took 25 µs a layer instead of 103, one 64-query tile 68 instead of 214."""
+    if device.type != "cuda":
         return 1
-    wanted = max(1, min(MAX_SPLITS, triton.cdiv(2 * _sm_count(device), programs), key_blocks // MIN_BLOCKS_PER_SPLIT))
+    wanted = least if 2 * programs > _sm_count(device) else triton.cdiv(2 * _sm_count(device), programs)
+    wanted = max(1, min(MAX_SPLITS, wanted, key_blocks // MIN_BLOCKS_PER_SPLIT))
     return 1 << (wanted.bit_length() - 1)
 
 

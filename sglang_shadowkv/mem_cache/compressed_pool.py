@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sglang_shadowkv.kernels.quantize_chunks import chunk_major, quantize_chunks, quantize_chunks_reference
+
 from .compressed_layout import basis_pages, element_size, quantize_per_head, segment_pages, slot_layout
 from .host_memory import PinnedHostTensor
 from .kv_pool import PagedKVPool, to_device
@@ -273,12 +275,17 @@ class ShadowKVPool:
         return buffer.view(self.kv.num_pages, self.chunk_size, -1)
 
     def write_host_values(self, layer: int, seg: Segment, values: torch.Tensor) -> None:
-        """Copy the segment's values [n, Hkv, c, D] into its host chunks: one copy per run of
-        consecutive host slots. On the GPU the copies go on a side stream straight into pinned
-        memory, so they overlap the next layers' work; `wait_host_writes` orders later readers."""
+        """Copy the segment's values [num_tokens, Hkv, D] (token-major, as the dense pool holds
+        them) into its host chunks in the host format ([n, Hkv, c, D], int8 with scales when the
+        pool is int8): one copy per run of consecutive host slots. On the GPU the copies go on a
+        side stream straight into pinned memory, so they overlap the next layers' work;
+        `wait_host_writes` orders later readers."""
         if self.value_scale is not None:
-            values, scale = quantize_per_head(values)
+            quantize = quantize_chunks if values.is_cuda else quantize_chunks_reference
+            values, scale = quantize(values, self.chunk_size)
             self.value_scale[layer][seg.chunk_slots] = scale
+        else:
+            values = chunk_major(values, self.chunk_size).to(self.host_v[layer].dtype).contiguous()
 
         def copy_runs(non_blocking: bool):
             for first, count, offset in seg.host_runs:

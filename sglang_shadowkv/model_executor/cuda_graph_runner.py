@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 # captured straight away, which halves a first-use capture while serving (~0.5 s a graph on the
 # H100, 17 graphs in a 70-s chat benchmark). Should a capture still fail, it is warmed up and redone.
 SUFFIX = "suffix"  # graph keys ((SUFFIX, requests, tokens each), variant): suffixes; (batch size, variant): decode
+SUFFIX_COMPILE_TOKENS = (GRAPH_TOKENS[0], GRAPH_TOKENS[-1])  # a 16-query block, and whole 64-query tiles
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -99,7 +100,7 @@ class CudaGraphRunner:
             self._capture(self._keys_for(only_for) if only_for else
                           [(bs, v) for bs in reversed(self.batch_sizes) for v in backend.startup_graph_variants()])
             if not only_for:
-                self._compile(backend.compile_graph_variants())
+                self._compile(self._compile_keys())
 
     def bucket(self, batch_size: int) -> int | None:
         """The captured size a batch is padded to (None: too large for the graphs)."""
@@ -249,23 +250,31 @@ class CudaGraphRunner:
                     (self.graph_bytes - before) / 2**30, len(self.graphs), self.capture_seconds,
                     self.graph_bytes / 2**30)
 
-    def _compile(self, variants: list) -> None:
-        """Run each variant's step once eagerly at the smallest and the largest batch size (see
-        the backend's compile_graph_variants; kernels split their work differently for a few
-        requests than for many, and are compiled for each): they compile now, not while
-        requests wait."""
+    def _compile_keys(self) -> list[tuple]:
+        """The backend's compile variants (decode and suffix) at the smallest and largest batch,
+        suffixes at each query block of the sparse attention (16 tokens, and whole tiles)."""
+        decode_sizes = sorted({self.batch_sizes[0], self.batch_sizes[-1]})
+        suffix_sizes = [(SUFFIX, n, t) for t in SUFFIX_COMPILE_TOKENS
+                        for n in sorted({GRAPH_REQUESTS[0], GRAPH_REQUESTS[-1]})]
+        return ([(size, v) for v in self.backend.compile_graph_variants() for size in decode_sizes]
+                + [(size, v) for v in self.backend.compile_suffix_variants() for size in suffix_sizes])
+
+    def _compile(self, keys: list[tuple]) -> None:
+        """Run each key's step once eagerly (see the backend's compile_graph_variants; kernels
+        split their work differently for a few requests than for many, and are compiled for
+        each): they compile now, not while requests wait. Shapes already warmed up are skipped."""
         start = time.perf_counter()
-        for variant in variants:
-            if warmup_shape((1, variant)) in self._warmed:
+        warmed = set(self._warmed)
+        for key in keys:
+            if warmup_shape(key) in warmed:
                 continue
-            for size in sorted({self.batch_sizes[0], self.batch_sizes[-1]}):
-                batch = self._stand_in(size, variant)
-                self.backend.begin_graph_step(batch, variant)
-                self._forward(batch, (size, variant))
-            self._warmed.add(warmup_shape((1, variant)))
+            batch = self._stand_in(*key)
+            self.backend.begin_graph_step(batch, key[1])
+            self._forward(batch, key)
+            self._warmed.add(warmup_shape(key))
         torch.cuda.synchronize(self.device)
-        if variants:
-            logger.info("compiled the kernels of %d graph variant(s) in %.1f s", len(variants),
+        if keys:
+            logger.info("compiled the kernels of %d graph shape(s) in %.1f s", len({warmup_shape(k) for k in keys}),
                         time.perf_counter() - start)
 
     def _record(self, batch: ForwardBatch, key: tuple, warm_up: bool) -> torch.cuda.CUDAGraph:

@@ -210,18 +210,15 @@ class SegmentCompression:
         n = seg.num_chunks
         landmarks, outlier_ids = chunk_landmarks_and_outliers(k_post, c, seg.num_outliers)
         pool.write_landmarks(layer, seg, landmarks)
-        head_major_k = k_post.view(n, c, h, d).permute(2, 0, 1, 3)  # [H, n, c, D]
-        head_major_v = v.view(n, c, h, d).permute(2, 0, 1, 3)
-        pick = outlier_ids[:, :, None, None].expand(-1, -1, c, d)
+        heads = torch.arange(h, device=k_post.device)[:, None]
         blocks = seg.outlier_blocks.flatten().long()
         pool.outlier_pos[layer][blocks] = (seg.start + outlier_ids.flatten() * c).int()
-        pool.blocks_k[layer][blocks] = torch.gather(head_major_k, 1, pick).reshape(-1, c, d).to(pool.dtype)
-        pool.blocks_v[layer][blocks] = torch.gather(head_major_v, 1, pick).reshape(-1, c, d).to(pool.dtype)
+        for memory, x in ((pool.blocks_k, k_post), (pool.blocks_v, v)):  # chunk o of head h: [H, o, c, D]
+            memory[layer][blocks] = x.view(n, c, h, d)[outlier_ids, :, heads].reshape(-1, c, d).to(pool.dtype)
         selectable = torch.ones(h, n, dtype=torch.int8, device=k_post.device)
         selectable.scatter_(1, outlier_ids, 0)
         pool.selectable[layer][seg.chunk_slots] = selectable.T.contiguous()
-        values = head_major_v.permute(1, 0, 2, 3).to(pool.dtype).contiguous()  # [n, H, c, D]
-        pool.write_host_values(layer, seg, values)
+        pool.write_host_values(layer, seg, v.to(pool.dtype))
         self.added += 1
 
     def finish(self, keys_of: Callable[[int], torch.Tensor]) -> None:

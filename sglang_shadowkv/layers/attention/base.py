@@ -137,6 +137,10 @@ class AttentionBackend(ABC):
         and memory for graphs serving may never replay (default: none)."""
         return []
 
+    def compile_suffix_variants(self) -> list:
+        """The same for suffix graph variants (`suffix_graph_variant`; default: none)."""
+        return []
+
     def graph_variant(self, batch: ForwardBatch):
         """The captured variant a padded decode batch replays with (NO_GRAPH: run it eagerly)."""
         return None if sum(batch.seq_lens) <= self._graph_kv_indices.numel() else NO_GRAPH

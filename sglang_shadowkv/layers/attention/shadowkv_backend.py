@@ -137,8 +137,16 @@ class ShadowKVAttentionBackend(AttentionBackend):
         another variant): on the H100 the first capture of a 16K document's width waited 1.7-2.1 s
         for the Triton compiler twice in a chat's first 20 s (SGLang's client, every other
         request's step waiting with it); each width's graphs are still captured on first use."""
-        widest = {cs.compile_class(w): w for w in self._graph_widths}
-        return [v for w in widest.values() for v in (w, (LONG_WINDOW_GRAPH, w))]
+        return [v for w in self._widest_of_each_compile_class() for v in (w, (LONG_WINDOW_GRAPH, w))]
+
+    def compile_suffix_variants(self) -> list:
+        """Suffix steps select per KV head, not per query head: another compile of the selection
+        per compile class, and of the tile scoring. On the H100 a chat's first question over a
+        17K document waited 1.5 s for it (SGLang's client, every step in flight waiting too)."""
+        return [(SUFFIX_GRAPH, w) for w in self._widest_of_each_compile_class()]
+
+    def _widest_of_each_compile_class(self) -> list[int]:
+        return list({cs.compile_class(w): w for w in self._graph_widths}.values())
 
     def graph_variant(self, batch: ForwardBatch):
         if not any(st is not None and st.layout is not None for st in batch.shadowkv or []):
