@@ -74,3 +74,12 @@ def test_cold_profile_difference_ranks_ops_by_shadowkvs_extra_device_time():
     assert row["context"] == 16384
     assert [(e["op"], e["extra_ms"]) for e in row["ops"]] == [("norm", -20.0), ("gemm", 12.0), ("eigh", 9.0)]
     assert cold_profile_difference({"shadowkv": modes["shadowkv"]}) == []  # one mode: nothing to compare
+
+    def listed(pairs):  # two kernels whose names were cut to the same 80 characters
+        return {"rows": [{"context": 16384, "profile": {"cold": {"device_top": [
+            {"op": op, "ms": ms, "calls": 1} for op, ms in pairs]}}}]}
+
+    same_name = {"full": listed([("elementwise<...", 15.0), ("elementwise<...", 2.0)]),
+                 "shadowkv": listed([("elementwise<...", 2.0), ("elementwise<...", 15.5)])}
+    [row] = cold_profile_difference(same_name)
+    assert [(e["op"], e["extra_ms"]) for e in row["ops"]] == [("elementwise<...", 0.5)]  # summed, not -13
