@@ -14,7 +14,10 @@ import sys
 sys.path.insert(0, "maintainers/lent_gpu")
 import torch
 from compile_sm90 import compile_only
+from sglang_shadowkv.kernels.chunk_cache_plan import plan_chunk_cache_in_place
+from sglang_shadowkv.kernels.chunk_selection import select_decode_chunks
 from sglang_shadowkv.kernels.gather_values import gather_values
+from sglang_shadowkv.kernels.landmark_scores import landmark_logits
 from sglang_shadowkv.kernels.quantize_chunks import quantize_chunks
 from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys
 from sglang_shadowkv.kernels.sparse_decode_attention import sparse_decode_attention
@@ -35,21 +38,32 @@ values = ShadowKVPool(PagedKVPool(64, chunk, 1, hkv, head_dim, torch.bfloat16, "
 value_seg = values.alloc_segment(0, 17 * chunk, 1)
 value_jobs = value_seg.chunk_slots[torch.randint(0, 17, (batch, hkv, entries))]
 value_table = torch.tensor(values.kv.alloc(8), dtype=torch.int32).view(2, 4)
+chunk_slots = value_seg.chunk_slots[:17].int().expand(batch, -1).contiguous()
 with compile_only() as compiled:
     quantize_chunks(torch.randn(17 * chunk, hkv + 1, head_dim).bfloat16()[:, :hkv], chunk)  # compression's values
-    gather_values(values.host_v[0], values.host_slot, value_jobs, values.blocks_v[0], value_table, rows,
-                  values.value_scale[0], values.resident(0), programs=4)
-    rebuild_keys(store.a_lo[0], store.a_hi[0], *store.basis_memory(0), rotary.cos_cache, rotary.sin_cache,
-                 store.chunk_pos, store.chunk_basis, slots, store.blocks_k[0], table, rows, store.basis_rank[0])
-    for queries in (1, 32):  # a decode step, a suffix's tile
-        q = torch.randn(batch * queries, hkv * group, head_dim).bfloat16()
-        for splits in (1, 3):
-            sparse_decode_attention(q, store.blocks_k[0], store.blocks_v[0],
-                                    torch.full((batch, hkv, 2), -1, dtype=torch.int32), table, rows,
-                                    torch.arange(entries, dtype=torch.int32).expand(batch, hkv, -1).contiguous(),
-                                    torch.randn(40, hkv, head_dim).bfloat16(), torch.randn(40, hkv, head_dim).bfloat16(),
-                                    torch.tensor([0, 3, 3, 10], dtype=torch.int32), torch.arange(10, dtype=torch.int32),
-                                    head_dim ** -0.5, queries_per_request=queries, splits=splits)
+    for live in (None, torch.tensor([2], dtype=torch.int32)):  # an eager step, a CUDA graph's padded one
+        q = torch.randn(batch, hkv * group, head_dim).bfloat16()
+        logits = landmark_logits(q, values.landmarks[0], chunk_slots, values.selectable[0], head_dim ** -0.5,
+                                 values.landmark_scale[0], live)
+        selected = select_decode_chunks(logits, hkv, chunk_slots, torch.full((batch,), 6), 6, entries, 0.9, 2,
+                                        torch.zeros(2, 1, entries + 1, dtype=torch.long), rows, 0, live)
+        plan_chunk_cache_in_place(torch.full((2, hkv, entries), -1), rows, selected, live)
+        gather_values(values.host_v[0], values.host_slot, value_jobs, values.blocks_v[0], value_table, rows,
+                      values.value_scale[0], values.resident(0), live, programs=4)
+        rebuild_keys(store.a_lo[0], store.a_hi[0], *store.basis_memory(0), rotary.cos_cache, rotary.sin_cache,
+                     store.chunk_pos, store.chunk_basis, slots, store.blocks_k[0], table, rows, store.basis_rank[0],
+                     live)
+        for queries in (1, 32) if live is None else (1,):  # a decode step, a suffix's tile (never padded)
+            q = torch.randn(batch * queries, hkv * group, head_dim).bfloat16()
+            for splits in (1, 3):
+                sparse_decode_attention(q, store.blocks_k[0], store.blocks_v[0],
+                                        torch.full((batch, hkv, 2), -1, dtype=torch.int32), table, rows,
+                                        torch.arange(entries, dtype=torch.int32).expand(batch, hkv, -1).contiguous(),
+                                        torch.randn(40, hkv, head_dim).bfloat16(),
+                                        torch.randn(40, hkv, head_dim).bfloat16(),
+                                        torch.tensor([0, 3, 3, 10], dtype=torch.int32),
+                                        torch.arange(10, dtype=torch.int32), head_dim ** -0.5,
+                                        queries_per_request=queries, splits=splits, live=live)
 print(" ".join(sorted(set(compiled))))
 """
 
@@ -59,5 +73,6 @@ def test_decode_kernels_compile_for_sm90_with_the_servers_types():
     done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["_gather_values_kernel", "_merge_splits_kernel", "_quantize_chunks_kernel",
-                                    "_rebuild_keys_kernel", "_sparse_decode_kernel"]
+    assert done.stdout.split() == ["_gather_values_kernel", "_landmark_logits_kernel", "_merge_splits_kernel",
+                                    "_plan_kernel", "_quantize_chunks_kernel", "_rebuild_keys_kernel",
+                                    "_select_kernel", "_sparse_decode_kernel"]

@@ -216,6 +216,36 @@ def test_shadowkv_mixed_batches_give_the_eager_tokens(shadow_pair):
         assert_shadow_pools_clean(eng)
 
 
+def test_a_sparse_variant_is_captured_at_the_largest_batch_then_per_bucket_once_padding_cost_a_capture(
+        shadow_pair, monkeypatch):
+    """Sparse graph variants are captured on first use at the largest batch size, which smaller
+    batches replay padded (the padding rows cost the sparse kernels little: kernels/padding_rows.py,
+    and must not change a token); a bucket gets its own graph once its batches have run
+    PAD_ROWS_BEFORE_CAPTURE padding rows more than it would have."""
+    from sglang_shadowkv.model_executor import cuda_graph_runner
+
+    plain, graphed = shadow_pair
+    tok = plain.tokenizer
+    prompts = [long_prompt(tok, 800, 31), long_prompt(tok, 750, 32), long_prompt(tok, 820, 33)]
+    max_new = [9, 5, 7]
+    want = run_staggered(plain, prompts, max_new, join_every=2)
+    graphs = graphed.scheduler.runner.graphs
+
+    def sparse_sizes():
+        return {size for size, variant in graphs.graphs if not isinstance(variant, tuple) or variant[0] != "dense"}
+
+    replays = graphs.replays
+    assert run_staggered(graphed, prompts, max_new, join_every=2) == want
+    assert graphs.replays - replays > 5 and sparse_sizes() == {graphs.max_bs}  # 4: batches of 1-3 padded to it
+    assert sum(graphs._extra_padding.values()) > 4
+    monkeypatch.setattr(cuda_graph_runner, "PAD_ROWS_BEFORE_CAPTURE", 4)
+    assert run_staggered(graphed, prompts, max_new, join_every=2) == want
+    assert sparse_sizes() > {graphs.max_bs}  # a bucket that ran more than 4 padding rows got its own graph
+    for eng in (plain, graphed):
+        assert_pool_clean(eng)
+        assert_shadow_pools_clean(eng)
+
+
 def test_a_long_dense_window_beside_compressed_requests_replays_its_split_graph(shadow_pair, monkeypatch):
     """A dense request with a long window (a dense document) decoding beside compressed ones makes
     the step split every program's keys (decode.window_splits): its own graph variant, the same

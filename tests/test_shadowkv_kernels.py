@@ -52,6 +52,9 @@ def test_landmark_logits(group, head_dim, num_chunks, int8):
     assert torch.equal(got.isinf(), want.isinf())
     assert want.isinf().any() and not want.isinf().all()
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    if head_dim == 32:  # a CUDA graph's padding rows (from live on) are skipped, the rest as before
+        live = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+        torch.testing.assert_close(landmark_logits(*args, scale, live)[:2], want[:2], rtol=TOL, atol=TOL)
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -157,6 +160,12 @@ def test_rebuild_keys(chunk_size, rank, hkv, head_dim, ranked):
     want = rebuild_keys_reference(*args, blocks.clone(), pages, rows, basis_rank)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, equal_nan=True)
     assert_writes_only_jobs(want, blocks, free, table, rows, jobs)
+    if ranked:  # a CUDA graph's padding rows (from live on): none of their jobs are done
+        live = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+        got = rebuild_keys(*args, blocks.clone(), pages, rows, basis_rank, live)
+        want = rebuild_keys_reference(*args, blocks.clone(), pages, rows, basis_rank, live)
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, equal_nan=True)
+        assert_writes_only_jobs(want, blocks, free, table, rows, torch.cat([jobs[:2], torch.full_like(jobs[2:], -1)]))
     k_pages, v_pages, basis_pages = store.basis_memory(0)
     for b, h, e in (jobs >= 0).nonzero().tolist()[:6]:  # the reference itself, chunk by chunk
         slot = int(jobs[b, h, e])
@@ -200,6 +209,12 @@ def test_gather_values(chunk_size, head_dim, jobs_per_step, int8):
     want = gather_values_reference(host, host_slot, jobs, blocks.clone(), pages, rows, scale)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert_writes_only_jobs(want, blocks, poisoned, scratch_pages, rows, jobs)
+    live = torch.tensor([3], dtype=torch.int32, device=DEVICE)  # the last row is a CUDA graph's padding
+    got = gather_values(host, host_slot, jobs, blocks.clone(), pages, rows, scale, live=live, programs=3,
+                        jobs_per_step=jobs_per_step)
+    want = gather_values_reference(host, host_slot, jobs, blocks.clone(), pages, rows, scale, live=live)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert_writes_only_jobs(want, blocks, poisoned, scratch_pages, rows, torch.cat([jobs[:3], torch.full_like(jobs[3:], -1)]))
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -276,6 +291,14 @@ def test_sparse_decode_attention(group, chunk_size, head_dim, queries, splits):
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
     torch.testing.assert_close(lse_got, lse_want, rtol=TOL, atol=TOL)
     assert lse_want.isfinite().all()
+    if group == 4:  # requests from live on (a CUDA graph's padding) attend nothing: zeros, lse -inf
+        live = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+        gated = sparse_decode_attention_reference(*args, lse=lse_want, queries_per_request=queries, live=live)
+        assert torch.equal(gated[:queries], want[:queries]) and not gated[queries:].any()
+        assert lse_want[queries:].isneginf().all()
+        got = sparse_decode_attention(*args, lse=lse_got, queries_per_request=queries, splits=splits, live=live)
+        torch.testing.assert_close(got, gated, rtol=TOL, atol=TOL)
+        torch.testing.assert_close(lse_got, lse_want, rtol=TOL, atol=TOL)
     if queries > 1:  # a tile's queries attend as decode queries of their request would, one by one
         per_query = [a.repeat_interleave(queries, 0) for a in args[3:4]] + args[4:5] + [
             a.repeat_interleave(queries, 0) for a in args[5:7]]
@@ -457,6 +480,13 @@ def test_chunk_cache_plan_in_place(k):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(got_held, want_held)
     assert torch.equal(got_held[[2, 4]], held[[2, 4]])  # rows no request names are left alone
+    live = torch.tensor([2], dtype=torch.int32, device=DEVICE)  # requests 2 and 3: a CUDA graph's padding
+    want_held, got_held = held.clone(), held.clone()
+    want = plan_chunk_cache_in_place_reference(want_held, rows, selected, live)
+    got = plan_chunk_cache_in_place(got_held, rows, selected, live)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got_held, want_held)
+    assert (want[0][2:] == -1).all() and (want[1][2:] == -1).all()
+    assert torch.equal(got_held[[2, 3, 4]], held[[2, 3, 4]])  # the padding's rows are left alone too
 
 
 @pytest.mark.parametrize("num_chunks,group,adaptive", [(37, 4, True), (300, 2, True), (300, 4, False), (1100, 1, True)])
@@ -481,7 +511,7 @@ def test_select_decode_chunks(num_chunks, group, adaptive):
     top_p = 0.9 if adaptive else None
     hist = torch.zeros(8, layers, width + 1, dtype=torch.int64)
     args = [t.to(DEVICE) for t in (logits, slots, budgets)]
-    want_hist, got_hist = hist.to(DEVICE), hist.to(DEVICE)
+    want_hist, got_hist = hist.to(DEVICE).clone(), hist.to(DEVICE).clone()  # (.to alone: one tensor on a CPU)
     want = select_decode_chunks_reference(args[0], h, args[1], args[2], top_k, width, top_p, floor, want_hist,
                                           rows.to(DEVICE), layer)
     got = select_decode_chunks(args[0], h, args[1], args[2], top_k, width, top_p, floor, got_hist,
@@ -498,6 +528,15 @@ def test_select_decode_chunks(num_chunks, group, adaptive):
     assert torch.equal(got_hist, want_hist)
     counts = (got[:4] >= 0).sum(-1).cpu()
     assert adaptive == bool((counts < budgets[:4, None]).any())  # the adaptive budget took fewer than the cap
+    live = torch.tensor([2], dtype=torch.int32, device=DEVICE)  # rows 2.. are a CUDA graph's padding
+    gated_hist = hist.to(DEVICE).clone()
+    gated = select_decode_chunks(args[0], h, args[1], args[2], top_k, width, top_p, floor, gated_hist,
+                                 rows.to(DEVICE), layer, live)
+    assert torch.equal(gated[:2], got[:2]) and (gated[2:] == -1).all()
+    want_hist = hist.to(DEVICE).clone()
+    select_decode_chunks_reference(args[0], h, args[1], args[2], top_k, width, top_p, floor, want_hist,
+                                   rows.to(DEVICE), layer, live)
+    assert torch.equal(gated_hist, want_hist) and gated_hist[rows[2:].long()].sum() == 0
 
 
 @pytest.mark.parametrize("chunk_size,head_dim", [(8, 128), (4, 32), (3, 16)])

@@ -14,32 +14,42 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.padding_rows import live_row, live_rows
 from sglang_shadowkv.shadowkv.chunk_cache import plan_chunk_cache
 
 MATCH_ROWS = 32  # selected chunks matched against every held entry at once: [32, K] compares
 
 
-def plan_chunk_cache_in_place_reference(held: torch.Tensor, rows: torch.Tensor, selected: torch.Tensor):
+def plan_chunk_cache_in_place_reference(held: torch.Tensor, rows: torch.Tensor, selected: torch.Tensor, live=None):
     """held [rows, H, K] (one layer's scratch map), rows [R] the scratch rows of the requests,
     selected [R, H, K] (-1 padded) -> (jobs, entries), each [R, H, K] int64, as `plan_chunk_cache`
-    defines them; held's rows are updated."""
+    defines them; held's rows are updated. Rows from live on (padding_rows): no jobs, no entries."""
     r, h, k = selected.shape
-    long_rows = rows.long()
-    jobs, entries, new_held = plan_chunk_cache(held[long_rows].view(r * h, k), selected.reshape(r * h, k))
-    held[long_rows] = new_held.view(r, h, k)
-    return jobs.view(r, h, k), entries.view(r, h, k)
+    n = live_rows(live, r)
+    long_rows = rows[:n].long()
+    jobs, entries = (torch.full((r, h, k), -1, dtype=torch.int64, device=selected.device) for _ in range(2))
+    if n == 0:
+        return jobs, entries
+    got_jobs, got_entries, new_held = plan_chunk_cache(held[long_rows].view(n * h, k), selected[:n].reshape(n * h, k))
+    held[long_rows] = new_held.view(n, h, k)
+    jobs[:n], entries[:n] = got_jobs.view(n, h, k), got_entries.view(n, h, k)
+    return jobs, entries
 
 
 @triton.jit
-def _plan_kernel(HELD, ROWS, SELECTED, JOBS, ENTRIES, FREE, stride_hr, stride_hh, K,
-                 K_PAD: tl.constexpr, MATCH: tl.constexpr):
+def _plan_kernel(HELD, ROWS, SELECTED, JOBS, ENTRIES, FREE, LIVE, stride_hr, stride_hh, K,
+                 K_PAD: tl.constexpr, MATCH: tl.constexpr, GATED: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     heads = tl.num_programs(1)
     offs = tl.arange(0, K_PAD)
     in_k = offs < K
-    held_at = HELD + tl.load(ROWS + b).to(tl.int64) * stride_hr + h * stride_hh
     out_at = (b * heads + h).to(tl.int64) * K
+    if not live_row(LIVE, b, GATED):  # padding: no jobs, no entries
+        tl.store(JOBS + out_at + offs, tl.full([K_PAD], -1, tl.int64), mask=in_k)
+        tl.store(ENTRIES + out_at + offs, tl.full([K_PAD], -1, tl.int64), mask=in_k)
+        return
+    held_at = HELD + tl.load(ROWS + b).to(tl.int64) * stride_hr + h * stride_hh
     held = tl.load(held_at + offs, mask=in_k, other=-1)
     kept = tl.zeros([K_PAD], tl.int32)
     for j0 in range(0, K, MATCH):  # the hits, MATCH selected chunks at a time, parked in ENTRIES
@@ -65,7 +75,7 @@ def _plan_kernel(HELD, ROWS, SELECTED, JOBS, ENTRIES, FREE, stride_hr, stride_hh
     tl.store(held_at + target, sel, mask=miss)
 
 
-def plan_chunk_cache_in_place(held: torch.Tensor, rows: torch.Tensor, selected: torch.Tensor):
+def plan_chunk_cache_in_place(held: torch.Tensor, rows: torch.Tensor, selected: torch.Tensor, live=None):
     """Triton version of `plan_chunk_cache_in_place_reference` (same arguments and results)."""
     r, h, k = selected.shape
     if held.stride(2) != 1 or not selected.is_contiguous():
@@ -74,6 +84,7 @@ def plan_chunk_cache_in_place(held: torch.Tensor, rows: torch.Tensor, selected: 
     entries = torch.empty_like(jobs)
     free = torch.empty(r, h, k, dtype=torch.int32, device=selected.device)
     if selected.numel():
-        _plan_kernel[(r, h)](held, rows, selected, jobs, entries, free, held.stride(0), held.stride(1), k,
-                             K_PAD=triton.next_power_of_2(k), MATCH=min(MATCH_ROWS, triton.next_power_of_2(k)))
+        _plan_kernel[(r, h)](held, rows, selected, jobs, entries, free, rows if live is None else live,
+                             held.stride(0), held.stride(1), k, K_PAD=triton.next_power_of_2(k),
+                             MATCH=min(MATCH_ROWS, triton.next_power_of_2(k)), GATED=live is not None)
     return jobs, entries

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.padding_rows import live_row, live_rows
 from sglang_shadowkv.shadowkv.selection import select_chunks
 
 FLOAT_BITS_INF = 0x7F800000  # above the bits of every finite non-negative float32
@@ -41,13 +42,18 @@ def count_budgets(hist: torch.Tensor, rows: torch.Tensor, layer: int, selected: 
 
 
 def select_decode_chunks_reference(logits, kv_heads: int, chunk_slots, budgets, top_k: int, width: int,
-                                   top_p: float | None, floor: int, hist, rows, layer: int) -> torch.Tensor:
+                                   top_p: float | None, floor: int, hist, rows, layer: int,
+                                   live=None) -> torch.Tensor:
     """logits [B, Hq, N] float32 (-inf where not selectable), chunk_slots [B, N] int32, budgets [B]
     (each <= top_k <= width) -> the chunk slots [B, kv_heads, width] each KV head attends (-1
     padded, best first); each head's count is added to hist [rows, layers, width + 1] at
-    [rows[b], layer]."""
-    selected = select_chunks(decode_chunk_scores(logits, kv_heads), chunk_slots, budgets, top_k, width, top_p, floor)
-    count_budgets(hist, rows, layer, selected)
+    [rows[b], layer]. Rows from live on (padding_rows) select nothing and count nowhere."""
+    n = live_rows(live, logits.shape[0])
+    selected = torch.full((logits.shape[0], kv_heads, width), -1, dtype=torch.int64, device=logits.device)
+    if n:
+        selected[:n] = select_chunks(decode_chunk_scores(logits[:n], kv_heads), chunk_slots[:n], budgets[:n], top_k,
+                                     width, top_p, floor)
+        count_budgets(hist, rows[:n], layer, selected[:n])
     return selected
 
 
@@ -66,13 +72,18 @@ def _highest_threshold(bits, weight, target, STEPS: tl.constexpr, BITS_INF: tl.c
 
 
 @triton.jit
-def _select_kernel(LOGITS, SLOTS, BUDGETS, OUT, HIST, ROWS, N, W, top_p, floor, layer, layers,
+def _select_kernel(LOGITS, SLOTS, BUDGETS, OUT, HIST, ROWS, LIVE, N, W, top_p, floor, layer, layers,
                    stride_lb, stride_lh, stride_sb,
                    GROUP: tl.constexpr, N_PAD: tl.constexpr, W_PAD: tl.constexpr, ADAPTIVE: tl.constexpr,
-                   STEPS: tl.constexpr, BITS_INF: tl.constexpr):
+                   STEPS: tl.constexpr, BITS_INF: tl.constexpr, GATED: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     heads = tl.num_programs(1)
+    offs_w = tl.arange(0, W_PAD)
+    out_at = OUT + (b * heads + h).to(tl.int64) * W
+    if not live_row(LIVE, b, GATED):  # padding: nothing selected, nothing counted
+        tl.store(out_at + offs_w, tl.full([W_PAD], -1, tl.int64), mask=offs_w < W)
+        return
     offs = tl.arange(0, N_PAD)
     in_n = offs < N
     at = LOGITS + b.to(tl.int64) * stride_lb + (h * GROUP).to(tl.int64) * stride_lh
@@ -99,10 +110,8 @@ def _select_kernel(LOGITS, SLOTS, BUDGETS, OUT, HIST, ROWS, N, W, top_p, floor, 
     tie_rank = tl.cumsum(tie.to(tl.int32), 0) - 1
     take = above | (tie & (tie_rank < count - tl.sum(above.to(tl.int32), 0)))  # none when count is 0: lo ends above every score
     position = tl.cumsum(take.to(tl.int32), 0) - 1
-    out_at = OUT + (b * heads + h).to(tl.int64) * W
     slots = tl.load(SLOTS + b.to(tl.int64) * stride_sb + offs, mask=take, other=0)
     tl.store(out_at + position, slots.to(tl.int64), mask=take)
-    offs_w = tl.arange(0, W_PAD)
     tl.store(out_at + offs_w, tl.full([W_PAD], -1, tl.int64), mask=(offs_w >= count) & (offs_w < W))
     row = tl.load(ROWS + b).to(tl.int64)
     tl.atomic_add(HIST + (row * layers + layer) * (W + 1) + count, tl.full([], 1, tl.int64))
@@ -116,7 +125,7 @@ def compile_class(n: int) -> tuple[int, int]:
 
 
 def select_decode_chunks(logits, kv_heads: int, chunk_slots, budgets, top_k: int, width: int,
-                         top_p: float | None, floor: int, hist, rows, layer: int) -> torch.Tensor:
+                         top_p: float | None, floor: int, hist, rows, layer: int, live=None) -> torch.Tensor:
     """Triton version of `select_decode_chunks_reference` (same arguments; the chosen chunks in
     chunk order, not best first). top_k only bounds the budgets there: here the budget is the cap."""
     b, hq, n = logits.shape
@@ -128,10 +137,11 @@ def select_decode_chunks(logits, kv_heads: int, chunk_slots, budgets, top_k: int
     if b and n:
         n_pad, warps = compile_class(n)
         _select_kernel[(b, kv_heads)](
-            logits, chunk_slots, budgets, out, hist, rows, n, width, 0.0 if top_p is None else top_p, floor,
+            logits, chunk_slots, budgets, out, hist, rows, rows if live is None else live, n, width, 0.0 if top_p is None else top_p, floor,
             layer, hist.shape[1], logits.stride(0), logits.stride(1), chunk_slots.stride(0),
             GROUP=hq // kv_heads, N_PAD=n_pad, W_PAD=triton.next_power_of_2(width),
-            ADAPTIVE=top_p is not None, STEPS=BISECTION_STEPS, BITS_INF=FLOAT_BITS_INF, num_warps=warps)
+            ADAPTIVE=top_p is not None, STEPS=BISECTION_STEPS, BITS_INF=FLOAT_BITS_INF, GATED=live is not None,
+            num_warps=warps)
     elif b:
         out.fill_(-1)
     return out

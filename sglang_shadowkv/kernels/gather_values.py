@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.padding_rows import live_rows
 from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_jobs
 
 # the persistent grid's size and each program's chunks per step. On the H100 (benchmarks/
@@ -36,10 +37,12 @@ JOBS_PER_STEP = 4
 
 
 def gather_values_reference(host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows, scale=None,
-                            resident=None):
+                            resident=None, live=None):
     """Writes the scratch entry (b, h, e) in blocks_v = host_v[host_slot[jobs[b, h, e]], h] (or its
-    resident copy; times scale[that chunk slot, h] when given) for every job >= 0; returns blocks_v."""
-    slots, h_idx, blocks = scratch_jobs(jobs, scratch_pages, scratch_rows)
+    resident copy; times scale[that chunk slot, h] when given) for every job >= 0 of rows before
+    live (padding_rows); returns blocks_v."""
+    n = live_rows(live, jobs.shape[0])
+    slots, h_idx, blocks = scratch_jobs(jobs[:n], scratch_pages, scratch_rows[:n])
     if slots.numel() == 0:
         return blocks_v
     host = host_slot[slots].long()
@@ -57,16 +60,20 @@ def gather_values_reference(host_v, host_slot, jobs, blocks_v, scratch_pages, sc
 
 
 @triton.jit
-def _gather_values_kernel(HOST, HOST_SLOT, JOBS, OUT, SCRATCH_PAGES, ROWS, SCALE, HOME, RES_K, RES_V, NUM_JOBS,
-                          stride_hs, stride_hh, stride_jb, stride_jh, stride_ob, stride_sp, stride_ss,
+def _gather_values_kernel(HOST, HOST_SLOT, JOBS, OUT, SCRATCH_PAGES, ROWS, SCALE, HOME, RES_K, RES_V, LIVE,
+                          NUM_JOBS, stride_hs, stride_hh, stride_jb, stride_jh, stride_ob, stride_sp, stride_ss,
                           HEADS: tl.constexpr, ENTRIES: tl.constexpr, NUMEL: tl.constexpr, BLOCK: tl.constexpr,
-                          JOBS_PER_STEP: tl.constexpr, SCALED: tl.constexpr, RESIDENT: tl.constexpr):
+                          JOBS_PER_STEP: tl.constexpr, SCALED: tl.constexpr, RESIDENT: tl.constexpr,
+                          GATED: tl.constexpr):
     """A persistent grid: each program walks the jobs JOBS_PER_STEP at a time (jobs pid·J.., then
     P·J further on), so the copy keeps enough reads in flight while leaving most SMs free for the
-    key rebuild on the other stream. Resident blocks have the host pool's strides."""
+    key rebuild on the other stream. Resident blocks have the host pool's strides. Jobs are
+    row-major: the live rows' are the first live·HEADS·ENTRIES."""
     offs = tl.arange(0, BLOCK)
     valid = offs < NUMEL
     offs_j = tl.arange(0, JOBS_PER_STEP)
+    if GATED:
+        NUM_JOBS = tl.minimum(NUM_JOBS, tl.load(LIVE) * HEADS * ENTRIES)
     for first in range(tl.program_id(0) * JOBS_PER_STEP, NUM_JOBS, tl.num_programs(0) * JOBS_PER_STEP):
         i = tl.minimum(first + offs_j, NUM_JOBS - 1)
         b = i // (HEADS * ENTRIES)
@@ -93,7 +100,7 @@ def _gather_values_kernel(HOST, HOST_SLOT, JOBS, OUT, SCRATCH_PAGES, ROWS, SCALE
 
 
 def gather_values(host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows, scale=None, resident=None,
-                  programs: int | None = None, jobs_per_step: int | None = None):
+                  live=None, programs: int | None = None, jobs_per_step: int | None = None):
     """Triton version of `gather_values_reference`; host_v may be pinned CPU memory (read via UVA).
 
     programs: size of the persistent grid (default: PROGRAMS_PER_SM per SM on a GPU); jobs_per_step:
@@ -122,9 +129,10 @@ def gather_values(host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows
         raise ValueError("resident value blocks must have the host pool's dtype and [Hkv, c, D] strides")
     _gather_values_kernel[(min(programs, triton.cdiv(jobs.numel(), jobs_per_step)),)](
         host_v, host_slot, jobs, blocks_v, scratch_pages, scratch_rows,
-        jobs if scale is None else scale, home, res_k, res_v, jobs.numel(),  # (SCALE unread if unscaled)
+        jobs if scale is None else scale, home, res_k, res_v,  # (SCALE unread if unscaled, LIVE without a gate)
+        scratch_rows if live is None else live, jobs.numel(),
         host_v.stride(0), host_v.stride(1), jobs.stride(0), jobs.stride(1),
         blocks_v.stride(0), scratch_pages.stride(0), 0 if scale is None else scale.stride(0),
         HEADS=hkv, ENTRIES=e, NUMEL=numel, BLOCK=triton.next_power_of_2(numel), JOBS_PER_STEP=jobs_per_step,
-        SCALED=scale is not None, RESIDENT=resident is not None)
+        SCALED=scale is not None, RESIDENT=resident is not None, GATED=live is not None)
     return blocks_v

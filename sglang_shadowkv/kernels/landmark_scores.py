@@ -14,15 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.padding_rows import live_row
 from sglang_shadowkv.kernels.sparse_decode_attention import program_rows
 
 SCORE_QUERY_BLOCK = 16  # queries per program of the tile scoring kernels (their [rows, BLOCK_N] logits stay small)
 
 
-def landmark_logits_reference(q, landmarks, chunk_slots, selectable, sm_scale, scale=None):
+def landmark_logits_reference(q, landmarks, chunk_slots, selectable, sm_scale, scale=None, live=None):
     """q [B, Hq, D]; landmarks [S, Hkv, D]; chunk_slots [B, N] int; selectable [S, Hkv] int8;
     scale [S, Hkv] (int8 landmarks) -> [B, Hq, N] float32 logits, -inf where the chunk is not
-    selectable for that KV head."""
+    selectable for that KV head. live (a one-element tensor): rows from live on are a CUDA graph's
+    padding and their logits are left unspecified (computed here, skipped by the kernel)."""
     b, hq, d = q.shape
     hkv = landmarks.shape[1]
     slots = chunk_slots.long()
@@ -36,14 +38,16 @@ def landmark_logits_reference(q, landmarks, chunk_slots, selectable, sm_scale, s
 
 
 @triton.jit
-def _landmark_logits_kernel(Q, L, SLOTS, SEL, SCALE, OUT, sm_scale, N,
+def _landmark_logits_kernel(Q, L, SLOTS, SEL, SCALE, OUT, LIVE, sm_scale, N,
                             stride_qb, stride_qh, stride_ls, stride_lh, stride_sb,
                             stride_sel, stride_scale, stride_ob, stride_oh,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
+                            BLOCK_N: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     nb = tl.program_id(2)
+    if not live_row(LIVE, b, GATED):
+        return
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,7 +67,7 @@ def _landmark_logits_kernel(Q, L, SLOTS, SEL, SCALE, OUT, sm_scale, N,
              mask=g_valid[:, None] & n_valid[None, :])
 
 
-def landmark_logits(q, landmarks, chunk_slots, selectable, sm_scale, scale=None, block_n: int = 64):
+def landmark_logits(q, landmarks, chunk_slots, selectable, sm_scale, scale=None, live=None, block_n: int = 64):
     """Triton version of `landmark_logits_reference` (same arguments)."""
     b, hq, d = q.shape
     hkv = landmarks.shape[1]
@@ -77,11 +81,12 @@ def landmark_logits(q, landmarks, chunk_slots, selectable, sm_scale, scale=None,
     grid = (b, hkv, triton.cdiv(n, block_n))
     _landmark_logits_kernel[grid](
         q, landmarks, chunk_slots, selectable,
-        selectable if scale is None else scale, out, sm_scale, n,  # (SCALE unread if unscaled)
+        selectable if scale is None else scale, out,  # (SCALE unread if unscaled, LIVE without a gate)
+        chunk_slots if live is None else live, sm_scale, n,
         q.stride(0), q.stride(1), landmarks.stride(0), landmarks.stride(1), chunk_slots.stride(0),
         selectable.stride(0), 0 if scale is None else scale.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=program_rows(1, group)[1], HEAD_DIM=d, BLOCK_N=block_n,
-        SCALED=scale is not None)
+        SCALED=scale is not None, GATED=live is not None)
     return out
 
 

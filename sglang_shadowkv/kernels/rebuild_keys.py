@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.padding_rows import live_row, live_rows
 from sglang_shadowkv.kernels.rotary import rotate_reference
 from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_jobs
 
@@ -39,9 +40,11 @@ def basis_rows_reference(k_pages, v_pages, basis_pages, bases, rank):
 
 
 def rebuild_keys_reference(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, chunk_pos, chunk_basis, jobs,
-                           blocks_k, scratch_pages, scratch_rows, basis_rank=None):
-    """Writes the scratch entry (b, h, e) in blocks_k for every job >= 0; returns blocks_k."""
-    slots, h_idx, blocks = scratch_jobs(jobs, scratch_pages, scratch_rows)
+                           blocks_k, scratch_pages, scratch_rows, basis_rank=None, live=None):
+    """Writes the scratch entry (b, h, e) in blocks_k for every job >= 0 of rows before live
+    (padding_rows); returns blocks_k."""
+    n = live_rows(live, jobs.shape[0])
+    slots, h_idx, blocks = scratch_jobs(jobs[:n], scratch_pages, scratch_rows[:n])
     if slots.numel() == 0:
         return blocks_k
     c, d = blocks_k.shape[-2], blocks_k.shape[-1]
@@ -79,11 +82,11 @@ def _accumulate(acc1, acc2, a_ptrs, a_mask, kp, vp, offs_r, r_valid, page_ids, c
 
 @triton.jit
 def _rebuild_keys_kernel(A_LO, A_HI, KP, VP, BASIS_PAGES, COS, SIN, CHUNK_POS, CHUNK_BASIS, BASIS_RANK, JOBS,
-                         OUT, SCRATCH_PAGES, ROWS, RANK, LO, ENTRIES,
+                         OUT, SCRATCH_PAGES, ROWS, LIVE, RANK, LO, ENTRIES,
                          stride_lo_s, stride_lo_t, stride_hi_s, stride_hi_t, stride_pp, stride_pt, stride_bp,
                          stride_cos, stride_jb, stride_jh, stride_ob, stride_ot, stride_sp,
                          CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, HALF: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, RANKED: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, RANKED: tl.constexpr, GATED: tl.constexpr):
     """One program: BLOCK_E entries of one (request, KV head), BLOCK_E·CHUNK_PAD key rows as one
     tile, so each basis block is read once for all of them and multiplied on tensor cores (one
     program per entry re-read its head's whole basis for 8 keys: 0.39 ms a layer for 16 decoding
@@ -92,6 +95,8 @@ def _rebuild_keys_kernel(A_LO, A_HI, KP, VP, BASIS_PAGES, COS, SIN, CHUNK_POS, C
     rows masked out of it."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if not live_row(LIVE, b, GATED):
+        return
     offs_m = tl.arange(0, BLOCK_E * CHUNK_PAD)
     entry = tl.program_id(2) * BLOCK_E + offs_m // CHUNK_PAD
     t = offs_m % CHUNK_PAD
@@ -140,7 +145,7 @@ def _rebuild_keys_kernel(A_LO, A_HI, KP, VP, BASIS_PAGES, COS, SIN, CHUNK_POS, C
 
 
 def rebuild_keys(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, chunk_pos, chunk_basis, jobs, blocks_k,
-                 scratch_pages, scratch_rows, basis_rank=None):
+                 scratch_pages, scratch_rows, basis_rank=None, live=None):
     """Triton version of `rebuild_keys_reference` (same arguments)."""
     b, hkv, e = jobs.shape
     c, d = blocks_k.shape[-2], blocks_k.shape[-1]
@@ -157,10 +162,10 @@ def rebuild_keys(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, chunk_pos,
     _rebuild_keys_kernel[(b, hkv, triton.cdiv(e, block_e))](
         a_lo, a_hi if a_hi.numel() else a_lo, k_pages, v_pages, basis_pages, cos, sin, chunk_pos, chunk_basis,
         chunk_basis if basis_rank is None else basis_rank,  # (BASIS_RANK unread without ranks)
-        jobs, blocks_k, scratch_pages, scratch_rows, lo + a_hi.shape[2], lo, e,
+        jobs, blocks_k, scratch_pages, scratch_rows, scratch_rows if live is None else live, lo + a_hi.shape[2], lo, e,
         a_lo.stride(0), a_lo.stride(1), a_hi.stride(0), a_hi.stride(1), k_pages.stride(0), k_pages.stride(1),
         basis_pages.stride(0), cos.stride(0), jobs.stride(0), jobs.stride(1),
         blocks_k.stride(0), blocks_k.stride(1), scratch_pages.stride(0),
         CHUNK=c, CHUNK_PAD=chunk_pad, HALF=d // 2, BLOCK_E=block_e, BLOCK_R=RANK_BLOCK,
-        RANKED=basis_rank is not None, num_warps=WARPS, **({} if STAGES is None else {"num_stages": STAGES}))
+        RANKED=basis_rank is not None, GATED=live is not None, num_warps=WARPS, **({} if STAGES is None else {"num_stages": STAGES}))
     return blocks_k

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.padding_rows import live_row, live_rows
 from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_blocks
 
 # queries of a tile per program: 32 queries x 4 heads = 128 rows of a dot, on 8 warps. On the H100
@@ -71,10 +72,11 @@ def chunks_per_key_block(chunk: int, launch: Launch) -> int:
 
 def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries,
                                       k_pool, v_pool, window_indptr, window_indices, sm_scale, lse=None,
-                                      queries_per_request=1, out_dtype=None):
+                                      queries_per_request=1, out_dtype=None, live=None):
     """q [B·Q, Hq, D] -> [B·Q, Hq, D] of out_dtype (default q's; Q = queries_per_request: rows b·Q..
     of q attend request b's keys); float32 softmax over the gathered keys of each KV head; lse
-    [B·Q, Hq] float32, if given, receives each query head's log-sum-exp.
+    [B·Q, Hq] float32, if given, receives each query head's log-sum-exp. Requests from live on
+    (padding_rows) attend nothing: a zero output, lse -inf.
 
     The keys of every (request, KV head) are gathered into one padded tensor with a mask
     (missing outliers, entries and window positions masked out), so a step is a few batched
@@ -97,6 +99,7 @@ def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scr
 
     c = blocks_k.shape[1]
     valid = torch.cat([b_ok.repeat_interleave(c, dim=2), w_ok[:, None, :].expand(-1, hkv, -1)], dim=2)  # [B, Hkv, L]
+    valid &= (torch.arange(b_, device=q.device) < live_rows(live, b_))[:, None, None]
     g = hq // hkv
     qh = q.float().view(b_, nq, hkv, g, d).transpose(1, 2).reshape(b_, hkv, nq * g, d)
     scores = (qh @ keys(blocks_k, k_pool).transpose(2, 3) * sm_scale).masked_fill(~valid[:, :, None], float("-inf"))
@@ -138,16 +141,19 @@ def _fold_chunks(q, BLOCKS_K, BLOCKS_V, block, valid, token_of, m_i, l_i, acc, s
 # split count, so capturing the decode graphs of all batch sizes compiles it once
 @triton.jit(do_not_specialize=["SPLITS", "STORE_LSE"])
 def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, ENTRIES, K_POOL, V_POOL,
-                          W_INDPTR, W_INDICES, O_OUT, LSE, sm_scale, NUM_OUT, NUM_ENT, OUT_SPLIT_STRIDE,
+                          W_INDPTR, W_INDICES, O_OUT, LSE, LIVE, sm_scale, NUM_OUT, NUM_ENT, OUT_SPLIT_STRIDE,
                           stride_qb, stride_qh, stride_block, stride_olb, stride_olh, stride_sp,
                           stride_eb, stride_eh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
                           QUERIES, STORE_LSE, SPLITS, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                           QUERY_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                          CHUNKS_PER_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+                          CHUNKS_PER_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, GATED: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
     split = tl.program_id(2) % SPLITS  # this program's share of each key source
+    live = live_row(LIVE, b, GATED)  # padding attends none of its keys: the empty output below
+    NUM_OUT = tl.where(live, NUM_OUT, 0)
+    NUM_ENT = tl.where(live, NUM_ENT, 0)
     # the program's rows: QUERY_BLOCK queries of request b, times its KV head's query heads
     ROWS_M: tl.constexpr = QUERY_BLOCK * GROUP_PAD
     offs_m = tl.arange(0, ROWS_M)
@@ -184,7 +190,7 @@ def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, 
                                      stride_block, HEAD_DIM)
     # dense window: token slots of the paged pool
     w_start = tl.load(W_INDPTR + b)
-    w_len = tl.load(W_INDPTR + b + 1) - w_start
+    w_len = tl.where(live, tl.load(W_INDPTR + b + 1) - w_start, 0)
     offs_w = tl.arange(0, BLOCK_W)
     w_lo, w_hi = _split_range(w_len, split, SPLITS, BLOCK_W)
     for n in range(w_lo, w_hi, BLOCK_W):
@@ -215,7 +221,7 @@ def _split_range(count, split, SPLITS, STEP: tl.constexpr):
 
 def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries,
                             k_pool, v_pool, window_indptr, window_indices, sm_scale, lse=None,
-                            queries_per_request=1, splits=None, out_dtype=None):
+                            queries_per_request=1, splits=None, out_dtype=None, live=None):
     """Triton version of `sparse_decode_attention_reference` (same arguments). `splits` (default:
     `key_splits`) divides each program's keys among that many programs, merged by log-sum-exp: a
     few programs alone (a small decode batch, one question's tiles) would leave most of the GPU
@@ -251,13 +257,14 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
         dest, dest_lse, split_stride = out, out if lse is None else lse, 0  # (LSE unread without lse)
     _sparse_decode_kernel[(b, hkv, triton.cdiv(queries_per_request, query_block) * splits)](
         q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries, k_pool, v_pool,
-        window_indptr, window_indices, dest, dest_lse, sm_scale, outlier_blocks.shape[2], entries.shape[2], split_stride,
+        window_indptr, window_indices, dest, dest_lse, scratch_rows if live is None else live,  # (LIVE unread ungated)
+        sm_scale, outlier_blocks.shape[2], entries.shape[2], split_stride,
         q.stride(0), q.stride(1), blocks_k.stride(0), outlier_blocks.stride(0), outlier_blocks.stride(1),
         scratch_pages.stride(0), entries.stride(0), entries.stride(1),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), dest.stride(-3), dest.stride(-2),
         queries_per_request, lse is not None or splits > 1, splits, GROUP=group, GROUP_PAD=group_pad,
         QUERY_BLOCK=query_block, HEAD_DIM=d, CHUNK=chunk, CHUNKS_PER_BLOCK=chunks_per_key_block(chunk, launch),
-        BLOCK_W=32, num_warps=launch.warps, **({} if launch.stages is None else {"num_stages": launch.stages}))
+        BLOCK_W=32, GATED=live is not None, num_warps=launch.warps, **({} if launch.stages is None else {"num_stages": launch.stages}))
     if splits > 1:
         _merge_splits_kernel[(n * hq,)](part_out, part_lse, out, part_lse if lse is None else lse, n * hq, hq,
                                         out.stride(0), out.stride(1), splits, lse is not None,

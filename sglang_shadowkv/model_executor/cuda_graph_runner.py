@@ -9,7 +9,8 @@ write, the attention backend including ShadowKV's two-stream fetch), the final n
 
 Graphs are captured for a list of batch sizes (and the attention backend's shape variants, e.g.
 ShadowKV's chunk-column buckets); a live batch is padded up to the next captured size with entries
-that read and write only the reserved page 0. Every per-step input lives in fixed buffers owned
+that read and write only the reserved page 0 (variants captured on first use: see
+PAD_ROWS_BEFORE_CAPTURE). Every per-step input lives in fixed buffers owned
 here (token ids, positions, KV slots) or by the backend (its metadata: page tables, ShadowKV's
 plan), written before each replay, so batches that change every step replay the same graphs.
 Without a GPU the same path runs eagerly over the same buffers (capture=False), which is how the
@@ -47,6 +48,14 @@ logger = logging.getLogger(__name__)
 # H100, 17 graphs in a 70-s chat benchmark). Should a capture still fail, it is warmed up and redone.
 SUFFIX = "suffix"  # graph keys ((SUFFIX, requests, tokens each), variant): suffixes; (batch size, variant): decode
 SUFFIX_COMPILE_TOKENS = (GRAPH_TOKENS[0], GRAPH_TOKENS[-1])  # a 16-query block, and whole 64-query tiles
+# A decode batch replaying a larger graph than its bucket's runs padding rows; the sparse kernels
+# skip them (kernels/padding_rows.py) but not for free: on the H100 (8B, 16K documents) 48 padding
+# rows made a step of 16 1.9 ms slower, ~0.04 ms a row, where capturing a graph while serving costs
+# ~0.1 s with every request waiting (a chat's batch grew through eight sizes of one chunk width and
+# shrank through ten of another: 18 captures, 1.6 s). So a lazily captured variant pads until the
+# padding has cost what a capture does (~2500 rows), then captures the bucket: ski rental, never
+# worse than twice the better choice in hindsight.
+PAD_ROWS_BEFORE_CAPTURE = 2500
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -89,18 +98,23 @@ class CudaGraphRunner:
         self.suffix_logit_rows = torch.zeros(GRAPH_REQUESTS[-1], dtype=torch.long, device=dev)  # each suffix's last
         self.logits = torch.zeros(max(max_bs, GRAPH_REQUESTS[-1]), vocab_size, dtype=torch.float32, device=dev)
         backend.init_graph_state(max_bs, max_bs * context_length, table)
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # None: run eagerly over the buffers (capture=False)
         self.replays = 0
         self.replays_by_variant: Counter[str] = Counter()
-        self.capture_seconds, self.graph_bytes = 0.0, 0
+        self.capture_seconds = 0.0
         self.capture_log: list[tuple[str, float]] = []  # (graph key, seconds) of each capture, in order
         self._pool = self._stream = None  # one memory pool and capture stream for every graph
         self._warmed: set = set()  # the shapes (warmup_shape) warmed up before a capture
+        self._extra_padding: Counter[tuple] = Counter()  # per uncaptured graph key: padding rows run instead
+        keys = (self._keys_for(only_for) if only_for else
+                [(bs, v) for bs in reversed(self.batch_sizes) for v in backend.startup_graph_variants()])
         if capture:
-            self._capture(self._keys_for(only_for) if only_for else
-                          [(bs, v) for bs in reversed(self.batch_sizes) for v in backend.startup_graph_variants()])
+            self._capture(keys)
             if not only_for:
                 self._compile(self._compile_keys())
+            logger.info("CUDA graph memory: %.2f GiB", self.graph_bytes() / 2**30)
+        else:
+            self.graphs.update(dict.fromkeys(keys))  # what a GPU captures at startup, run eagerly here
 
     def bucket(self, batch_size: int) -> int | None:
         """The captured size a batch is padded to (None: too large for the graphs)."""
@@ -112,12 +126,27 @@ class CudaGraphRunner:
         bs = self.bucket(len(items))
         if bs is None:
             return None
-        batch = self._padded_batch(items, bs)
-        variant = self.backend.graph_variant(batch)
+        variant = self.backend.graph_variant(self._padded_batch(items, bs))
         if variant is NO_GRAPH:
             return None
-        self._replay((bs, variant), batch, self._write_inputs)
+        size = self._replay_size(len(items), bs, variant)
+        self._replay((size, variant), self._padded_batch(items, size), self._write_inputs)
         return self.logits[:len(items)]
+
+    def _replay_size(self, num: int, bs: int, variant) -> int:
+        """The batch size a decode batch of num requests (bucket bs) replays: bs's graph when it
+        has one (every size of the startup variants). A variant captured on first use (ShadowKV's
+        chunk widths) is first captured at the largest size, which every batch of it can replay
+        padded; bs is captured once its batches have run PAD_ROWS_BEFORE_CAPTURE padding rows
+        more than bs's own graph would have."""
+        if (bs, variant) in self.graphs:
+            return bs
+        held = min((size for size, v in self.graphs if v == variant and isinstance(size, int) and size >= num),
+                   default=None)
+        if held is None:
+            return self.max_bs
+        self._extra_padding[(bs, variant)] += held - bs
+        return bs if self._extra_padding[(bs, variant)] > PAD_ROWS_BEFORE_CAPTURE else held
 
     def run_suffixes(self, items: list[StepItem]) -> torch.Tensor | None:
         """Logits [len(items), vocab] of a step of prompt chunks only, if the backend can run it
@@ -142,13 +171,13 @@ class CudaGraphRunner:
         if self.capture:
             graph = self.graphs.get(key)
             if graph is None:  # a variant captured on first use (the backend keeps startup short)
-                torch.cuda.synchronize(self.device)  # nothing else in flight while capturing
                 self._capture([key])
                 graph = self.graphs[key]
                 write_inputs(batch)
                 backend.begin_graph_step(batch, variant)
             graph.replay()
         else:
+            self.graphs[key] = None  # the shape ran over the fixed buffers (what a capture would hold)
             self._forward(batch, key)
         self.replays += 1
         self.replays_by_variant[str(variant)] += 1
@@ -221,7 +250,7 @@ class CudaGraphRunner:
         """Capture each (batch size, variant), largest first, in one memory pool: only one graph
         runs at a time, so their intermediate tensors can share memory. Their memory is that
         pool's segments (what reserved memory gained would also count the warmups' cached blocks
-        and lose what others freed meanwhile)."""
+        and lose what others freed meanwhile), counted when asked (stats)."""
         backend, dev = self.backend, self.device
         start = time.perf_counter()
         for key in keys:
@@ -241,14 +270,11 @@ class CudaGraphRunner:
                 self._warmed.add(shape)
             self.graphs[key] = graph
             self.capture_log.append((str(key), round(time.perf_counter() - began, 3)))
-        torch.cuda.synchronize(dev)
-        seconds, before = time.perf_counter() - start, self.graph_bytes
+        seconds = time.perf_counter() - start
         self.capture_seconds += seconds
-        self.graph_bytes = pool_bytes(torch.cuda.memory_snapshot(), self._pool)
-        logger.info("captured %d CUDA graph(s) (%s) in %.1f s, %.2f GiB; %d in all, %.1f s, %.2f GiB",
+        logger.info("captured %d CUDA graph(s) (%s) in %.2f s; %d in all, %.1f s",
                     len(keys), keys if len(keys) == 1 else f"batch sizes {self.batch_sizes}", seconds,
-                    (self.graph_bytes - before) / 2**30, len(self.graphs), self.capture_seconds,
-                    self.graph_bytes / 2**30)
+                    len(self.graphs), self.capture_seconds)
 
     def _compile_keys(self) -> list[tuple]:
         """The backend's compile variants (decode and suffix) at the smallest and largest batch,
@@ -279,7 +305,13 @@ class CudaGraphRunner:
 
     def _record(self, batch: ForwardBatch, key: tuple, warm_up: bool) -> torch.cuda.CUDAGraph:
         """One graph of the model over `batch` (its inputs and metadata written), on the capture
-        stream and into the shared pool; after an eager run first with warm_up."""
+        stream and into the shared pool; after an eager run first with warm_up.
+
+        Not through torch.cuda.graph: that waits for the device, empties the allocator's caches
+        (device and pinned host) and may collect garbage before every capture. A capture while
+        serving then stalled the GPU too (the step launched before it, under overlap scheduling,
+        had to finish first) and the steps after it paid for fresh cudaMalloc and cudaHostAlloc
+        calls. Recording does not run the work queued before it, so nothing needs to wait."""
         dev = self.device
         if self._pool is None:
             self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
@@ -290,8 +322,12 @@ class CudaGraphRunner:
                 self._forward(batch, key)
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            self._forward(batch, key)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self._pool)
+            try:
+                self._forward(batch, key)
+            finally:
+                graph.capture_end()
         return graph
 
     def _stand_in(self, size, variant) -> ForwardBatch:
@@ -304,8 +340,12 @@ class CudaGraphRunner:
             self._write_inputs(batch)
         return batch
 
+    def graph_bytes(self) -> int:
+        """Bytes the graphs' memory pool holds."""
+        return pool_bytes(torch.cuda.memory_snapshot(), self._pool) if self._pool is not None else 0
+
     def stats(self) -> dict:
         return {"batch_sizes": self.batch_sizes, "graphs": len(self.graphs), "captured": self.capture,
-                "capture_seconds": round(self.capture_seconds, 2), "graph_bytes": int(self.graph_bytes),
+                "capture_seconds": round(self.capture_seconds, 2), "graph_bytes": self.graph_bytes(),
                 "replays": self.replays, "replays_by_variant": dict(self.replays_by_variant),
                 "capture_log": self.capture_log}

@@ -77,6 +77,7 @@ class StepPlan:
     window_indptr: torch.Tensor  # [B+1] int32
     window_indices: torch.Tensor  # [>= sum] int32 dense pool slots
     splits: int | None = None  # key splits of the attention kernel (window_splits)
+    live: torch.Tensor | None = None  # [1] int32: rows before it are requests, the rest a graph's padding (None: all)
 
 
 class SparseDecoder:
@@ -195,7 +196,7 @@ class SparseDecoder:
             rows=ints(max_bs, fill=self.dummy_row), chunk_slots=ints(max_bs, self.max_chunks, fill=self.pool.null_slot),
             outliers=ints(max_bs, h, max_outliers, fill=-1), outlier_lo=ints(max_bs, h, max_outliers),
             outlier_hi=ints(max_bs, h, max_outliers), budgets=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            top_k=0, window_indptr=ints(max_bs + 1), window_indices=ints(max_window_tokens))
+            top_k=0, window_indptr=ints(max_bs + 1), window_indices=ints(max_window_tokens), live=ints(1))
 
     def graph_fits(self, reqs: list[SparseRequest], width: int) -> bool:
         """Whether the graph buffers can hold this batch's plan with `width` chunk columns."""
@@ -207,7 +208,7 @@ class SparseDecoder:
                 and sum(r.window_tokens() for r in reqs) <= plan.window_indices.numel())
 
     def plan_step(self, table: ReqToTokenPool, reqs: list[SparseRequest], width: int | None = None,
-                  static: bool = False, splits: int | None = None) -> StepPlan:
+                  static: bool = False, splits: int | None = None, live: int | None = None) -> StepPlan:
         """The step's selection tables for a batch of requests (dense ones attend their window only).
 
         width: chunk columns of the plan (default: the batch's most chunks); the budget shape top_k
@@ -216,7 +217,8 @@ class SparseDecoder:
         ones); otherwise fresh tensors. Only the windows change from step to step: the rest is
         rebuilt when the set of requests changes (compared by row and layout identity). splits:
         the attention kernel's key splits of a static plan, fixed by its graph's variant; an eager
-        plan takes its batch's own (window_splits).
+        plan takes its batch's own (window_splits). live: a static plan's requests before its
+        padding (kernels/padding_rows.py; default all).
         """
         dev = self.pool.device
         if width is None:
@@ -237,11 +239,11 @@ class SparseDecoder:
             plan = self.graph_plan
             plan.window_indptr[:len(reqs) + 1].copy_(to_device(indptr, dev), non_blocking=True)
             plan.window_indices[:window.numel()].copy_(window)
-            window_indptr, window = plan.window_indptr[:len(reqs) + 1], plan.window_indices
-        else:
-            window_indptr = to_device(indptr, dev)
-        return StepPlan(rows, chunk_slots, outliers, lo, hi, budgets, top_k, window_indptr, window,
-                        splits if static else window_splits(reqs))
+            plan.live.fill_(len(reqs) if live is None else live)
+            return StepPlan(rows, chunk_slots, outliers, lo, hi, budgets, top_k, plan.window_indptr[:len(reqs) + 1],
+                            plan.window_indices, splits, plan.live)
+        return StepPlan(rows, chunk_slots, outliers, lo, hi, budgets, top_k, to_device(indptr, dev), window,
+                        window_splits(reqs))
 
     def _selection_tables(self, reqs: list[SparseRequest], width: int, static: bool) -> tuple:
         dev, b, null = self.pool.device, len(reqs), self.pool.null_slot
@@ -267,23 +269,24 @@ class SparseDecoder:
     def attend(self, q: torch.Tensor, layer: int, plan: StepPlan, kv_pool: PagedKVPool) -> torch.Tensor:
         """q [B, Hq, D] (one decode token per request) -> attention output [B, Hq, D]; the dense
         window is read from kv_pool."""
-        logits = self.landmark_logits(q, layer, plan.chunk_slots)
+        logits = self.landmark_logits(q, layer, plan.chunk_slots, plan.live)
         select_fn = cs.select_decode_chunks if self.use_triton else cs.select_decode_chunks_reference
         selected = select_fn(logits, self.pool.num_kv_heads, plan.chunk_slots, plan.budgets, plan.top_k,
                              self.max_entries, self.cfg.top_p_or_none, self.cfg.min_budget_chunks, self.budget_hist,
-                             plan.rows, layer)
-        entries = self.fetch_selected(layer, plan.rows, selected, count_hits=True)
+                             plan.rows, layer, plan.live)
+        entries = self.fetch_selected(layer, plan.rows, selected, count_hits=True, live=plan.live)
         outliers = self.live_outliers(layer, plan.outliers, plan.outlier_lo, plan.outlier_hi)
         return self.attend_selected(q, layer, outliers, plan.rows, entries, plan.window_indptr,
-                                    plan.window_indices, kv_pool, splits=plan.splits)
+                                    plan.window_indices, kv_pool, splits=plan.splits, live=plan.live)
 
     # ---- the parts of a step (shared with the suffix prefill) -----------------------------------
-    def landmark_logits(self, q: torch.Tensor, layer: int, chunk_slots: torch.Tensor) -> torch.Tensor:
+    def landmark_logits(self, q: torch.Tensor, layer: int, chunk_slots: torch.Tensor,
+                        live: torch.Tensor | None = None) -> torch.Tensor:
         """[B, Hq, N] float32 q · landmark of each request's chunks (-inf where not selectable)."""
         pool = self.pool
         logits_fn = ls.landmark_logits if self.use_triton else ls.landmark_logits_reference
         return logits_fn(q, pool.landmarks[layer], chunk_slots, pool.selectable[layer], q.shape[-1] ** -0.5,
-                         None if pool.landmark_scale is None else pool.landmark_scale[layer])
+                         None if pool.landmark_scale is None else pool.landmark_scale[layer], live)
 
     def select(self, scores: torch.Tensor, chunk_slots: torch.Tensor, budgets: torch.Tensor,
                top_k: int) -> torch.Tensor:
@@ -294,15 +297,15 @@ class SparseDecoder:
                              self.cfg.min_budget_chunks)
 
     def fetch_selected(self, layer: int, rows: torch.Tensor, selected: torch.Tensor,
-                       count_hits: bool = False) -> torch.Tensor:
+                       count_hits: bool = False, live: torch.Tensor | None = None) -> torch.Tensor:
         """Bring the selected chunks [R, Hkv, K] into the scratch rows [R] (int32; only chunks not
         already there move) and return the scratch entry of each [R, Hkv, K] (-1 for padding)."""
         plan_fn = ccp.plan_chunk_cache_in_place if self.use_triton else ccp.plan_chunk_cache_in_place_reference
-        jobs, entries = plan_fn(self.held[layer], rows, selected.contiguous())
+        jobs, entries = plan_fn(self.held[layer], rows, selected.contiguous(), live)
         if count_hits:
             lookups = (entries >= 0).sum((1, 2))
             self.hits.index_add_(0, rows.long(), torch.stack([lookups - (jobs >= 0).sum((1, 2)), lookups], 1))
-        self._fetch(jobs, layer, rows)
+        self._fetch(jobs, layer, rows, live)
         return entries
 
     def live_outliers(self, layer: int, outliers: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -314,19 +317,19 @@ class SparseDecoder:
                         entries: torch.Tensor, window_indptr: torch.Tensor, window_indices: torch.Tensor,
                         kv_pool: PagedKVPool, lse: torch.Tensor | None = None,
                         queries_per_request: int = 1, splits: int | None = None,
-                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                        out_dtype: torch.dtype | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
         """Exact attention of q [B·Q, Hq, D] (Q queries per request, 1 when decoding) over each
         request's outliers, scratch entries and dense window (splits: the kernel's key splits,
         None: its own choice; out_dtype: the output's, default q's)."""
         pool = self.pool
         args = (q, pool.blocks_k[layer], pool.blocks_v[layer], outliers, self.scratch_pages, rows, entries.int(),
                 kv_pool.k_buffers[layer], kv_pool.v_buffers[layer], window_indptr, window_indices, q.shape[-1] ** -0.5)
-        kwargs = dict(lse=lse, queries_per_request=queries_per_request, out_dtype=out_dtype)
+        kwargs = dict(lse=lse, queries_per_request=queries_per_request, out_dtype=out_dtype, live=live)
         if not self.use_triton:
             return sda.sparse_decode_attention_reference(*args, **kwargs)
         return sda.sparse_decode_attention(*args, splits=splits, **kwargs)
 
-    def _fetch(self, jobs: torch.Tensor, layer: int, rows: torch.Tensor) -> None:
+    def _fetch(self, jobs: torch.Tensor, layer: int, rows: torch.Tensor, live: torch.Tensor | None) -> None:
         """Rebuild the missed keys and gather their values, on two streams when on a GPU."""
         pool = self.pool
         rebuild_fn = rk.rebuild_keys if self.use_triton else rk.rebuild_keys_reference
@@ -334,7 +337,8 @@ class SparseDecoder:
 
         def gather():
             gather_fn(pool.host_v[layer], pool.host_slot, jobs, pool.blocks_v[layer], self.scratch_pages, rows,
-                      None if pool.value_scale is None else pool.value_scale[layer], resident=pool.resident(layer))
+                      None if pool.value_scale is None else pool.value_scale[layer], resident=pool.resident(layer),
+                      live=live)
 
         if self.copy_stream is None:
             gather()
@@ -347,6 +351,6 @@ class SparseDecoder:
             rows.record_stream(self.copy_stream)
         rebuild_fn(pool.a_lo[layer], pool.a_hi[layer], *pool.basis_memory(layer), self.rotary.cos_cache,
                    self.rotary.sin_cache, pool.chunk_pos, pool.chunk_basis, jobs, pool.blocks_k[layer],
-                   self.scratch_pages, rows, pool.basis_rank[layer])
+                   self.scratch_pages, rows, pool.basis_rank[layer], live)
         if self.copy_stream is not None:
             torch.cuda.current_stream(pool.device).wait_stream(self.copy_stream)

@@ -196,8 +196,10 @@ class ShadowKVAttentionBackend(AttentionBackend):
             return
         long_window = isinstance(variant, tuple) and variant[0] == LONG_WINDOW_GRAPH
         reqs = [self._sparse_request(batch, i) for i in range(batch.batch_size)]
+        padding = self.req_to_token.padding_row  # the runner pads a batch at its end
+        live = next((i for i, row in enumerate(batch.pool_rows) if row == padding), batch.batch_size)
         self.plan = self.decoder.plan_step(self.req_to_token, reqs, width=variant[1] if long_window else variant,
-                                           static=True, splits=sda.MAX_SPLITS if long_window else None)
+                                           static=True, splits=sda.MAX_SPLITS if long_window else None, live=live)
 
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         if self.dense_batch is not None and self.dense_rows is None:  # every row is dense
