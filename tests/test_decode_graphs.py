@@ -16,7 +16,7 @@ from test_shadowkv import (SHADOW_ENGINE, assert_shadow_pools_clean, document_an
                            long_prompt)
 
 from sglang_shadowkv.layers.attention.shadowkv_backend import graph_widths
-from sglang_shadowkv.model_executor.cuda_graph_runner import graph_batch_sizes, pool_bytes, warmup_shape
+from sglang_shadowkv.model_executor.cuda_graph_runner import graph_batch_sizes, pool_bytes
 from sglang_shadowkv.sampling_params import SamplingParams
 
 SHORT = ["The capital of France is", "Once upon a time, in a small village by the sea,",
@@ -87,8 +87,27 @@ def test_only_a_shapes_first_capture_warms_up_and_a_failed_one_is_redone_warm(de
     graphs._capture([(bs, variant) for bs in (8, 4, 2, 1)])
     assert calls == [(8, True), (4, False), (2, False), (2, True), (1, False)]
     assert all((bs, variant) in graphs.graphs for bs in (8, 4, 2, 1))
-    assert warmup_shape((("suffix", 4, 64), 512)) == warmup_shape((("suffix", 16, 64), 512)) != \
-        warmup_shape((("suffix", 4, 128), 512))
+    # batch sizes share a shape, so do token counts past one query block (dense backend: one variant)
+    shape = graphs.warmup_shape
+    assert shape((("suffix", 4, 64), variant)) == shape((("suffix", 16, 128), variant)) != \
+        shape((("suffix", 4, 16), variant))
+
+
+def test_widths_of_one_compile_class_share_their_warmup(shadow_pair):
+    """A sparse width whose compile class startup compiled (at the class's widest) is captured
+    without a warmup: the chat's first question over a 17K document waited 0.48 s for its graph."""
+    from sglang_shadowkv.kernels.chunk_selection import compile_class
+
+    graphs = shadow_pair[1].scheduler.runner.graphs
+    widths = graph_widths(graphs.backend.decoder.max_chunks)
+    compiled = {graphs.warmup_shape((1, v)) for v in graphs.backend.compile_graph_variants()}
+    compiled |= {graphs.warmup_shape((("suffix", 1, 256), v)) for v in graphs.backend.compile_suffix_variants()}
+    for w in widths:  # every width and kind falls on a shape startup compiled
+        assert graphs.warmup_shape((8, w)) in compiled and graphs.warmup_shape((8, ("long_window", w))) in compiled
+        assert graphs.warmup_shape((("suffix", 2, 128), ("suffix", w))) in compiled
+    a, b = widths[0], widths[-1]
+    assert (graphs.warmup_shape((1, a)) == graphs.warmup_shape((1, b))) == (compile_class(a) == compile_class(b))
+    assert graphs.warmup_shape((1, a)) != graphs.warmup_shape((1, ("long_window", a)))
 
 
 def test_the_torch_backend_is_never_captured(dense_pair):

@@ -35,19 +35,19 @@ import torch
 
 from sglang_shadowkv.layers.attention.base import NO_GRAPH, AttentionBackend, ForwardBatch
 from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool, to_device
-from sglang_shadowkv.shadowkv.suffix_prefill import GRAPH_REQUESTS, GRAPH_TOKENS
+from sglang_shadowkv.shadowkv.suffix_prefill import GRAPH_REQUESTS, GRAPH_TOKENS, compile_tokens
 
 from .forward_batch import StepItem
 
 logger = logging.getLogger(__name__)
 
 # An eager run before a capture compiles the kernels and settles the libraries' lazy state
-# (workspaces, plans) outside the graph. Only a shape's first capture needs one: its other batch
-# sizes launch the same compiled kernels (no kernel specializes on the batch size), so they are
-# captured straight away, which halves a first-use capture while serving (~0.5 s a graph on the
+# (workspaces, plans) outside the graph. Only a shape's first capture needs one (warmup_shape): its
+# other batch sizes, widths and token counts launch the same compiled kernels (no kernel specializes
+# on the batch size; widths and tokens within a compile class), so they are captured straight away, which halves a first-use capture while serving (~0.5 s a graph on the
 # H100, 17 graphs in a 70-s chat benchmark). Should a capture still fail, it is warmed up and redone.
 SUFFIX = "suffix"  # graph keys ((SUFFIX, requests, tokens each), variant): suffixes; (batch size, variant): decode
-SUFFIX_COMPILE_TOKENS = (GRAPH_TOKENS[0], GRAPH_TOKENS[-1])  # a 16-query block, and whole 64-query tiles
+SUFFIX_COMPILE_TOKENS = (GRAPH_TOKENS[0], GRAPH_TOKENS[-1])  # each compile_tokens class
 # A decode batch replaying a larger graph than its bucket's runs padding rows; the sparse kernels
 # skip them (kernels/padding_rows.py) but not for free: on the H100 (8B, 16K documents) 48 padding
 # rows made a step of 16 1.9 ms slower, ~0.04 ms a row, where capturing a graph while serving costs
@@ -62,13 +62,6 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, 12, 16, then every 8 up to max_bs (SGLang's spacing), and max_bs itself."""
     sizes = [s for s in (1, 2, 4, 8, 12) if s < max_bs] + list(range(16, max_bs, 8))
     return sizes + [max_bs]
-
-
-def warmup_shape(key: tuple):
-    """What decides which kernels a graph's step compiles: its variant, and for a suffix step
-    also the tokens per request (the query block); not the batch size."""
-    size, variant = key
-    return (size[2], variant) if isinstance(size, tuple) else variant
 
 
 def pool_bytes(snapshot: list[dict], pool) -> int:
@@ -115,6 +108,15 @@ class CudaGraphRunner:
             logger.info("CUDA graph memory: %.2f GiB", self.graph_bytes() / 2**30)
         else:
             self.graphs.update(dict.fromkeys(keys))  # what a GPU captures at startup, run eagerly here
+
+    def warmup_shape(self, key: tuple):
+        """What decides which kernels a graph's step compiles: its variant's compile variant, and
+        for a suffix step also its tokens' compile class; not the batch size. On the H100 a
+        chat's first question over a 17K document waited 0.48 s for its graph, half of it the
+        warmup of a width whose kernels startup had compiled at another of its class."""
+        size, variant = key
+        kernels = self.backend.compile_variant(variant)
+        return (compile_tokens(size[2]), kernels) if isinstance(size, tuple) else kernels
 
     def bucket(self, batch_size: int) -> int | None:
         """The captured size a batch is padded to (None: too large for the graphs)."""
@@ -257,7 +259,7 @@ class CudaGraphRunner:
             began = time.perf_counter()
             batch = self._stand_in(*key)
             backend.begin_graph_step(batch, key[1])
-            shape, graph = warmup_shape(key), None
+            shape, graph = self.warmup_shape(key), None
             if shape in self._warmed:
                 try:
                     graph = self._record(batch, key, warm_up=False)
@@ -292,15 +294,15 @@ class CudaGraphRunner:
         start = time.perf_counter()
         warmed = set(self._warmed)
         for key in keys:
-            if warmup_shape(key) in warmed:
+            if self.warmup_shape(key) in warmed:
                 continue
             batch = self._stand_in(*key)
             self.backend.begin_graph_step(batch, key[1])
             self._forward(batch, key)
-            self._warmed.add(warmup_shape(key))
+            self._warmed.add(self.warmup_shape(key))
         torch.cuda.synchronize(self.device)
         if keys:
-            logger.info("compiled the kernels of %d graph shape(s) in %.1f s", len({warmup_shape(k) for k in keys}),
+            logger.info("compiled the kernels of %d graph shape(s) in %.1f s", len({self.warmup_shape(k) for k in keys}),
                         time.perf_counter() - start)
 
     def _record(self, batch: ForwardBatch, key: tuple, warm_up: bool) -> torch.cuda.CUDAGraph:

@@ -51,6 +51,13 @@ GRAPH_TOKENS = (16, 32, 64, 128, 192, 256)
 GRAPH_REQUESTS = (1, 2, 4, 8, 16)  # suffixes in one graph step
 
 
+def compile_tokens(tokens: int) -> int:
+    """The tokens per suffix standing for every count whose step launches the same compiled
+    kernels: one 16-query block (GRAPH_TOKENS[0]), or whole 32-query blocks and 64-query tiles
+    (GRAPH_TOKENS[-1]); the rest are run-time arguments."""
+    return GRAPH_TOKENS[0] if tokens <= GRAPH_TOKENS[0] else GRAPH_TOKENS[-1]
+
+
 @dataclass
 class SuffixRequest:
     table_row: int

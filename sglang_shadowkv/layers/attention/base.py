@@ -137,6 +137,11 @@ class AttentionBackend(ABC):
         and memory for graphs serving may never replay (default: none)."""
         return []
 
+    def compile_variant(self, variant):
+        """The variant whose compiled kernels this one's steps launch (graphs of the two need one
+        warmup between them); by default itself."""
+        return variant
+
     def compile_suffix_variants(self) -> list:
         """The same for suffix graph variants (`suffix_graph_variant`; default: none)."""
         return []

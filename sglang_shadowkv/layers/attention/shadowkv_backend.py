@@ -119,6 +119,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
         self.decoder.init_graph_state(max_bs, max_kv_tokens, GRAPH_OUTLIER_SEGMENTS * self.cfg.outliers)
         self.suffix.init_graph_state(req_to_token.table.shape[1], GRAPH_OUTLIER_SEGMENTS * self.cfg.outliers)
         self._graph_widths = graph_widths(self.decoder.max_chunks)
+        self._class_widest = {cs.compile_class(w): w for w in self._graph_widths}  # ascending: the widest stays
 
     def graph_variants(self) -> list:
         return ([(DENSE_GRAPH, v) for v in self.dense.graph_variants()] + self._graph_widths
@@ -146,7 +147,17 @@ class ShadowKVAttentionBackend(AttentionBackend):
         return [(SUFFIX_GRAPH, w) for w in self._widest_of_each_compile_class()]
 
     def _widest_of_each_compile_class(self) -> list[int]:
-        return list({cs.compile_class(w): w for w in self._graph_widths}.values())
+        return list(self._class_widest.values())
+
+    def compile_variant(self, variant):
+        """Widths of one compile class launch the same kernels (the selection's register row and
+        warps are the class's; every other shape is a run-time argument): the class's widest, the
+        width startup compiles (compile_graph_variants), stands for them."""
+        if isinstance(variant, tuple) and variant[0] == DENSE_GRAPH:
+            return variant
+        kind, width = variant if isinstance(variant, tuple) else (None, variant)
+        widest = self._class_widest[cs.compile_class(width)]
+        return widest if kind is None else (kind, widest)
 
     def graph_variant(self, batch: ForwardBatch):
         if not any(st is not None and st.layout is not None for st in batch.shadowkv or []):
