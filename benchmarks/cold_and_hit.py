@@ -21,7 +21,9 @@ after one untimed round on a 4K document of its own (WARMUP_TOKENS):
   share theirs. With `--profile` it is profiled too (`decode_docs_profile`).
 The first hit and the first 16 at once of a shape may capture a CUDA graph (on first use): they are
 timed apart (`first_hit`, `first_hit_x16`); `hit` is the median of the next three, `hit_x16` the
-median of the next three sets of 16 (new questions each time).
+median of the next three sets of 16 (new questions each time). A sparse decode batch first replays
+its width's largest graph padded and gets a graph of its own size after ~2500 padding rows
+(cuda_graph_runner.PAD_ROWS_BEFORE_CAPTURE): `decode_x16`'s timed steps hold that, as a server's do.
 ShadowKV runs `--shadowkv-compress-policy eager`, so the document is compressed at its prefill
 (at the default policy, `tier`, it would stay dense and be served as full attention serves it:
 that path is full attention's). With `--profile`, torch.profiler then runs around another cold request
