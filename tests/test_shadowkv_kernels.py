@@ -214,7 +214,8 @@ def test_gather_values(chunk_size, head_dim, jobs_per_step, int8):
                         jobs_per_step=jobs_per_step)
     want = gather_values_reference(host, host_slot, jobs, blocks.clone(), pages, rows, scale, live=live)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-    assert_writes_only_jobs(want, blocks, poisoned, scratch_pages, rows, torch.cat([jobs[:3], torch.full_like(jobs[3:], -1)]))
+    live_jobs = torch.cat([jobs[:3], torch.full_like(jobs[3:], -1)])
+    assert_writes_only_jobs(want, blocks, poisoned, scratch_pages, rows, live_jobs)
 
 
 @pytest.mark.parametrize("int8", [False, True])

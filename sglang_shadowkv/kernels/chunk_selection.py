@@ -137,8 +137,8 @@ def select_decode_chunks(logits, kv_heads: int, chunk_slots, budgets, top_k: int
     if b and n:
         n_pad, warps = compile_class(n)
         _select_kernel[(b, kv_heads)](
-            logits, chunk_slots, budgets, out, hist, rows, rows if live is None else live, n, width, 0.0 if top_p is None else top_p, floor,
-            layer, hist.shape[1], logits.stride(0), logits.stride(1), chunk_slots.stride(0),
+            logits, chunk_slots, budgets, out, hist, rows, rows if live is None else live,  # (LIVE unread ungated)
+            n, width, 0.0 if top_p is None else top_p, floor, layer, hist.shape[1], logits.stride(0), logits.stride(1), chunk_slots.stride(0),
             GROUP=hq // kv_heads, N_PAD=n_pad, W_PAD=triton.next_power_of_2(width),
             ADAPTIVE=top_p is not None, STEPS=BISECTION_STEPS, BITS_INF=FLOAT_BITS_INF, GATED=live is not None,
             num_warps=warps)

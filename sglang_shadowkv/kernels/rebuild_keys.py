@@ -162,10 +162,12 @@ def rebuild_keys(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, chunk_pos,
     _rebuild_keys_kernel[(b, hkv, triton.cdiv(e, block_e))](
         a_lo, a_hi if a_hi.numel() else a_lo, k_pages, v_pages, basis_pages, cos, sin, chunk_pos, chunk_basis,
         chunk_basis if basis_rank is None else basis_rank,  # (BASIS_RANK unread without ranks)
-        jobs, blocks_k, scratch_pages, scratch_rows, scratch_rows if live is None else live, lo + a_hi.shape[2], lo, e,
+        jobs, blocks_k, scratch_pages, scratch_rows, scratch_rows if live is None else live,  # (LIVE unread ungated)
+        lo + a_hi.shape[2], lo, e,
         a_lo.stride(0), a_lo.stride(1), a_hi.stride(0), a_hi.stride(1), k_pages.stride(0), k_pages.stride(1),
         basis_pages.stride(0), cos.stride(0), jobs.stride(0), jobs.stride(1),
         blocks_k.stride(0), blocks_k.stride(1), scratch_pages.stride(0),
         CHUNK=c, CHUNK_PAD=chunk_pad, HALF=d // 2, BLOCK_E=block_e, BLOCK_R=RANK_BLOCK,
-        RANKED=basis_rank is not None, GATED=live is not None, num_warps=WARPS, **({} if STAGES is None else {"num_stages": STAGES}))
+        RANKED=basis_rank is not None, GATED=live is not None, num_warps=WARPS,
+        **({} if STAGES is None else {"num_stages": STAGES}))
     return blocks_k

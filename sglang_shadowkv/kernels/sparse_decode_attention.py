@@ -264,7 +264,8 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), dest.stride(-3), dest.stride(-2),
         queries_per_request, lse is not None or splits > 1, splits, GROUP=group, GROUP_PAD=group_pad,
         QUERY_BLOCK=query_block, HEAD_DIM=d, CHUNK=chunk, CHUNKS_PER_BLOCK=chunks_per_key_block(chunk, launch),
-        BLOCK_W=32, GATED=live is not None, num_warps=launch.warps, **({} if launch.stages is None else {"num_stages": launch.stages}))
+        BLOCK_W=32, GATED=live is not None, num_warps=launch.warps,
+        **({} if launch.stages is None else {"num_stages": launch.stages}))
     if splits > 1:
         _merge_splits_kernel[(n * hq,)](part_out, part_lse, out, part_lse if lse is None else lse, n * hq, hq,
                                         out.stride(0), out.stride(1), splits, lse is not None,

@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 # An eager run before a capture compiles the kernels and settles the libraries' lazy state
 # (workspaces, plans) outside the graph. Only a shape's first capture needs one (warmup_shape): its
 # other batch sizes, widths and token counts launch the same compiled kernels (no kernel specializes
-# on the batch size; widths and tokens within a compile class), so they are captured straight away, which halves a first-use capture while serving (~0.5 s a graph on the
-# H100, 17 graphs in a 70-s chat benchmark). Should a capture still fail, it is warmed up and redone.
+# on the batch size; widths and tokens within a compile class), so they are captured straight away,
+# which halves a first-use capture while serving (~0.5 s a graph on the H100, 17 graphs in a 70-s
+# chat benchmark). Should a capture still fail, it is warmed up and redone.
 SUFFIX = "suffix"  # graph keys ((SUFFIX, requests, tokens each), variant): suffixes; (batch size, variant): decode
 SUFFIX_COMPILE_TOKENS = (GRAPH_TOKENS[0], GRAPH_TOKENS[-1])  # each compile_tokens class
 # A decode batch replaying a larger graph than its bucket's runs padding rows; the sparse kernels
@@ -128,11 +129,14 @@ class CudaGraphRunner:
         bs = self.bucket(len(items))
         if bs is None:
             return None
-        variant = self.backend.graph_variant(self._padded_batch(items, bs))
+        batch = self._padded_batch(items, bs)
+        variant = self.backend.graph_variant(batch)
         if variant is NO_GRAPH:
             return None
         size = self._replay_size(len(items), bs, variant)
-        self._replay((size, variant), self._padded_batch(items, size), self._write_inputs)
+        if size != bs:
+            batch = self._padded_batch(items, size)
+        self._replay((size, variant), batch, self._write_inputs)
         return self.logits[:len(items)]
 
     def _replay_size(self, num: int, bs: int, variant) -> int:
@@ -302,7 +306,8 @@ class CudaGraphRunner:
             self._warmed.add(self.warmup_shape(key))
         torch.cuda.synchronize(self.device)
         if keys:
-            logger.info("compiled the kernels of %d graph shape(s) in %.1f s", len({self.warmup_shape(k) for k in keys}),
+            logger.info("compiled the kernels of %d graph shape(s) in %.1f s",
+                        len({self.warmup_shape(k) for k in keys}),
                         time.perf_counter() - start)
 
     def _record(self, batch: ForwardBatch, key: tuple, warm_up: bool) -> torch.cuda.CUDAGraph:
