@@ -80,15 +80,16 @@ def timeit(fn, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def segment_store(num_segments: int, tokens: int, outliers: int,
-                  scratch_pages: int, layers: int = 1) -> tuple[ShadowKVPool, list[Segment]]:
+def segment_store(num_segments: int, tokens: int, outliers: int, scratch_pages: int, layers: int = 1,
+                  storage: torch.dtype = DT) -> tuple[ShadowKVPool, list[Segment]]:
     """A compressed pool (one layer unless told) inside a dense pool of its own, just big enough for
     num_segments segments of `tokens` tokens (from position 0), allocated, and scratch_pages pages
-    of chunk-cache scratch."""
+    of chunk-cache scratch; values and landmarks stored as `storage`."""
     n = tokens // CHUNK
-    layout = slot_layout(CHUNK, HKV, D, RANK, DT, DT, DT)
+    layout = slot_layout(CHUNK, HKV, D, RANK, DT, storage, storage)
     pages = num_segments * segment_pages(layout, n, outliers, RANK, CHUNK) + scratch_pages + 2  # + page 0, null page
-    store = ShadowKVPool(PagedKVPool(pages, CHUNK, layers, HKV, D, DT, DEV), RANK, num_segments * n, num_segments)
+    store = ShadowKVPool(PagedKVPool(pages, CHUNK, layers, HKV, D, DT, DEV), RANK, num_segments * n, num_segments,
+                         value_dtype=storage, landmark_dtype=storage)
     return store, [store.alloc_segment(0, tokens, outliers) for _ in range(num_segments)]
 
 
@@ -402,9 +403,11 @@ def segment_compression_cost(context: int, k: torch.Tensor, v: torch.Tensor, rot
                              t_dense: float) -> dict:
     """A whole segment's compression as the engine runs it at default settings (every layer added
     as its attention ran, the bases of all layers solved together at the end), the same keys in
-    every layer, against the dense prefill of that many layers."""
+    every layer, against the dense prefill of that many layers; values and landmarks int8 on a GPU
+    (the server's default), with the device time of its kernels (`segment_profile`)."""
     cfg = ShadowKVConfig()
-    store, (seg,) = segment_store(1, context, cfg.num_outliers(context // CHUNK), 0, layers=LAYERS)
+    storage = torch.int8 if CUDA else DT
+    store, (seg,) = segment_store(1, context, cfg.num_outliers(context // CHUNK), 0, layers=LAYERS, storage=storage)
 
     def compress():
         job = SegmentCompression(store, seg, rotary, cfg)
@@ -414,8 +417,35 @@ def segment_compression_cost(context: int, k: torch.Tensor, v: torch.Tensor, rot
 
     with torch.inference_mode():
         seconds = timeit(compress, reps=3, warmup=1)
+        host = []  # the host's time to launch it all, the device idle before (its launches' own cost)
+        for _ in range(3):
+            if CUDA:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            compress()
+            host.append(time.perf_counter() - t)
+        profile = kernel_times(compress)
     return {"segment_layers": LAYERS, "compress_segment_ms": seconds * 1e3,
-            "segment_share_of_dense": seconds / (LAYERS * t_dense), "segment_ranks": seg.settle_ranks()}
+            "compress_segment_host_ms": statistics.median(host) * 1e3,
+            "segment_share_of_dense": seconds / (LAYERS * t_dense), "segment_ranks": seg.settle_ranks(),
+            "segment_profile": profile}
+
+
+def kernel_times(fn, top: int = 30) -> dict:
+    """Device time of fn()'s kernels and copies (torch.profiler), the `top` longest by name, and
+    how many launches it made: where a many-kernel step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if CUDA:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if CUDA else "self_cpu_time_total"
+    kernels = [e for e in prof.key_averages() if getattr(e, key) > 0 and (not CUDA or e.device_type.name == "CUDA")]
+    kernels.sort(key=lambda e: -getattr(e, key))
+    return {"device_ms": sum(getattr(e, key) for e in kernels) / 1e3, "launches": sum(e.count for e in kernels),
+            "top": [{"op": e.key[:90], "ms": getattr(e, key) / 1e3, "calls": e.count} for e in kernels[:top]]}
 
 
 def main() -> None:
@@ -423,11 +453,14 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: check the script on any device")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "bench_kernels.json"))
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="which tables to run")
+    ap.add_argument("--contexts", nargs="+", type=int, help="contexts of the compression and decode-layer tables "
+                    "(default 32768 131072; --smoke 512)")
     args = ap.parse_args()
     if args.smoke:
         contexts, batches, slots, entries = [512], [1, 2], 256, 16
     else:
         contexts, batches, slots, entries = [32768, 131072], [1, 4, 8, 16, 24, 32, 48], 1 << 17, 256
+    contexts = args.contexts or contexts
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     result = {"device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__}
     runs = {"bandwidth": lambda: bandwidth_and_overlap(slots, 48 if not args.smoke else 2, entries),
@@ -469,9 +502,14 @@ def print_compression(rows: list[dict]) -> None:
                   f"{r[f'compress_{m}_with_host_copy_ms']:13.2f} {r[f'{m}_error_vs_svd']:7.3f}")
         print("  parts (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in r.items() if k.endswith("_ms")
                                           and not k.startswith(("compress_", "dense_"))))
-        print(f"  a {r['segment_layers']}-layer segment at defaults: {r['compress_segment_ms']:.1f} ms, "
+        print(f"  a {r['segment_layers']}-layer segment at defaults: {r['compress_segment_ms']:.1f} ms "
+              f"({r['compress_segment_host_ms']:.1f} ms launching it), "
               f"{r['segment_share_of_dense']:.1%} of its dense prefill (ranks {min(r['segment_ranks'])}-"
               f"{max(r['segment_ranks'])})")
+        prof = r["segment_profile"]
+        print(f"  its kernels: {prof['device_ms']:.1f} ms of device time in {prof['launches']} launches; longest:")
+        for op in prof["top"][:12]:
+            print(f"    {op['ms']:7.2f} ms {op['calls']:5d}x  {op['op']}")
 
 
 def print_decode_layer(rows: list[dict]) -> None:
