@@ -285,11 +285,15 @@ def test_a_long_dense_window_beside_compressed_requests_replays_its_split_graph(
         assert_pool_clean(eng)
 
 
-def test_suffixes_over_a_compressed_prefix_replay_a_graph_and_give_the_eager_tokens(shadow_pair):
+def test_suffixes_over_a_compressed_prefix_replay_a_graph_and_give_the_eager_tokens(shadow_pair, monkeypatch):
     """Questions on a cached compressed document with nothing else running are a step of prompt
     chunks only, padded to a captured shape (one tile, three tiles padded to 192 queries, three
     questions at once padded to four): the fixed buffers' step must answer as the eager suffix
-    prefill does, and the padding must touch only the reserved page."""
+    prefill does, and the padding must touch only the reserved page. Three at once first replay
+    the one-question graph once each (no capture for a new request count) until those extra
+    replays pass EXTRA_SUFFIX_REPLAYS_BEFORE_CAPTURE; then the four-request graph, once."""
+    from sglang_shadowkv.model_executor import cuda_graph_runner
+
     plain, graphed = shadow_pair
     doc, questions = document_and_questions(plain.tokenizer, 1200, 41)
     questions = questions[:2] + [long_prompt(plain.tokenizer, 150, 42)]
@@ -304,16 +308,25 @@ def test_suffixes_over_a_compressed_prefix_replay_a_graph_and_give_the_eager_tok
     assert sum(suffix_steps.values()) == len(questions)  # each question's prompt step, none eager
     table = graphed.scheduler.runner.req_to_token
     assert not table.table[table.padding_row].any() and int(graphs.out_cache_loc[191]) == 0
-    # the three at once: one step of three suffixes, padded to four requests of 192 rows
+    # the three at once: one step of three suffixes of up to 192 rows (in the second round, the cached
+    # prompts' last tokens: one 16-query block), as if no step had run four at once before
     sched = graphed.scheduler
-    reqs = [sched.add_request(f"t{i}", doc + q, SamplingParams(max_new_tokens=6, temperature=0))
-            for i, q in enumerate(questions)]
-    before = graphs.replays_by_variant.copy()
-    sched.step()
-    assert all(r.prompt_done for r in reqs) and sum(graphs.replays_by_variant.values()) == sum(before.values()) + 1
-    while sched.has_work:
+    for key in [key for key in graphs.graphs if isinstance(key[0], tuple) and key[0][:2] == ("suffix", 4)]:
+        del graphs.graphs[key]
+    graphs._extra_suffix_replays.clear()
+    assert any(key[0] == ("suffix", 1, 192) for key in graphs.graphs)  # the long question alone ran it
+    for threshold, replays in ((cuda_graph_runner.EXTRA_SUFFIX_REPLAYS_BEFORE_CAPTURE, 3), (0, 1)):
+        monkeypatch.setattr(cuda_graph_runner, "EXTRA_SUFFIX_REPLAYS_BEFORE_CAPTURE", threshold)
+        reqs = [sched.add_request(f"t{i}", doc + q, SamplingParams(max_new_tokens=6, temperature=0))
+                for i, q in enumerate(questions)]
+        before = graphs.replays_by_variant.copy()
         sched.step()
-    assert [r.output_ids for r in reqs] == want
+        assert all(r.prompt_done for r in reqs)
+        assert sum(graphs.replays_by_variant.values()) == sum(before.values()) + replays
+        assert any(key[0][:2] == ("suffix", 4) for key in graphs.graphs if isinstance(key[0], tuple)) == (replays == 1)
+        while sched.has_work:
+            sched.step()
+        assert [r.output_ids for r in reqs] == want
     for eng in (plain, graphed):
         assert_pool_clean(eng)
         assert_shadow_pools_clean(eng)

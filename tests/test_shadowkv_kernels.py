@@ -431,6 +431,23 @@ def test_chunk_stats(chunk_size, head_dim, num_chunks, dtype):
     assert cos[0, 1] == 0 and (cos[:, 0] > -1).all() and (cos <= 1 + 1e-5).all()
 
 
+def test_a_documents_length_compiles_no_new_variant_of_the_compression_kernels():
+    """Triton specializes an int argument on divisibility by 16; the kernels a compression runs
+    per layer take the document's token or chunk count, so each is left unspecialized: the
+    server's warmup compiles one variant and a document of any length reuses it (a chunk count not
+    divisible by 16 compiled another in the first compression while serving, 0.33 s on the H100)."""
+    import os
+    import subprocess
+    import sys
+
+    check = ("from sglang_shadowkv.kernels.chunk_stats import _chunk_stats_kernel as a\n"
+             "from sglang_shadowkv.kernels.rotary import _rotate_kernel as b\n"
+             "print(all(n in k.arg_names and n in k.do_not_specialize for k, n in ((a, 'N'), (b, 'T'))))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler's JIT functions
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
 def test_chunk_stats_rejects_a_partial_chunk():
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_stats(torch.zeros(10, 1, 16, device=DEVICE), 8)

@@ -57,6 +57,13 @@ SUFFIX_COMPILE_TOKENS = (GRAPH_TOKENS[0], GRAPH_TOKENS[-1])  # each compile_toke
 # padding has cost what a capture does (~2500 rows), then captures the bucket: ski rental, never
 # worse than twice the better choice in hindsight.
 PAD_ROWS_BEFORE_CAPTURE = 2500
+# The same rule for suffix steps, whose padding would be whole prompt chunks through every GEMM: a
+# step of more suffixes than any captured graph of its shape holds replays the largest captured one
+# once per group of its requests, until those extra replays (~25-40 ms each at 16K on the H100)
+# have cost about what the capture does (0.2-0.35 s, with every request waiting: a capture's end
+# waits for the device to drain, benchmarks/capture_wait.py). The chat's first-turn phase met two
+# or four turns at once a few times and captured a graph for each count.
+EXTRA_SUFFIX_REPLAYS_BEFORE_CAPTURE = 8
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -100,6 +107,7 @@ class CudaGraphRunner:
         self._pool = self._stream = None  # one memory pool and capture stream for every graph
         self._warmed: set = set()  # the shapes (warmup_shape) warmed up before a capture
         self._extra_padding: Counter[tuple] = Counter()  # per uncaptured graph key: padding rows run instead
+        self._extra_suffix_replays: Counter[tuple] = Counter()  # per uncaptured suffix key: replays run instead
         keys = (self._keys_for(only_for) if only_for else
                 [(bs, v) for bs in reversed(self.batch_sizes) for v in backend.startup_graph_variants()])
         if capture:
@@ -156,7 +164,8 @@ class CudaGraphRunner:
 
     def run_suffixes(self, items: list[StepItem]) -> torch.Tensor | None:
         """Logits [len(items), vocab] of a step of prompt chunks only, if the backend can run it
-        from a graph (short suffixes over compressed prefixes), else None."""
+        from a graph (short suffixes over compressed prefixes), else None: the graph of its
+        request count, or a smaller one's once per group of its requests (_suffix_group)."""
         num = next((n for n in GRAPH_REQUESTS if n >= len(items)), None)
         tokens = next((t for t in GRAPH_TOKENS if t >= max(it.num_new for it in items)), None)
         if num is None or tokens is None or any(it.is_decode for it in items):
@@ -165,8 +174,30 @@ class CudaGraphRunner:
         variant = self.backend.suffix_graph_variant(batch)
         if variant is NO_GRAPH:
             return None
-        self._replay(((SUFFIX, num, tokens), variant), batch, lambda b: self._write_suffix_inputs(b, items))
-        return self.logits[:len(items)]
+        group = self._suffix_group(num, tokens, variant, len(items))
+        if group == num:
+            self._replay(((SUFFIX, num, tokens), variant), batch, lambda b: self._write_suffix_inputs(b, items))
+            return self.logits[:len(items)]
+        parts = []
+        for first in range(0, len(items), group):
+            members = items[first:first + group]
+            self._replay(((SUFFIX, group, tokens), variant), self._suffix_batch(members, group, tokens),
+                         lambda b, members=members: self._write_suffix_inputs(b, members))
+            parts.append(self.logits[:len(members)].clone())  # the next replay overwrites the buffer
+        return torch.cat(parts)
+
+    def _suffix_group(self, num: int, tokens: int, variant, count: int) -> int:
+        """The requests per replay for a suffix step of `count` requests (bucket num): num once its
+        graph exists, or when no smaller one of the shape does (captured now); else the largest
+        captured smaller count, replayed once per group, until those extra replays pass
+        EXTRA_SUFFIX_REPLAYS_BEFORE_CAPTURE (ski rental, as for padded decode batches)."""
+        key = ((SUFFIX, num, tokens), variant)
+        held = max((n for n in GRAPH_REQUESTS if n < num and ((SUFFIX, n, tokens), variant) in self.graphs),
+                   default=None)
+        if key in self.graphs or held is None:
+            return num
+        self._extra_suffix_replays[key] += -(-count // held) - 1
+        return num if self._extra_suffix_replays[key] > EXTRA_SUFFIX_REPLAYS_BEFORE_CAPTURE else held
 
     def _replay(self, key: tuple, batch: ForwardBatch, write_inputs) -> None:
         """Write the step's inputs and replay its graph (captured now if it is the first step of
