@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from sglang_shadowkv.scheduler.counters import clock_since
-from sglang_shadowkv.testing.live_server import LiveServer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+from benchmarks.startup_capture import compiled_kernels  # noqa: E402
+from sglang_shadowkv.scheduler.counters import clock_since  # noqa: E402
+from sglang_shadowkv.testing.live_server import LiveServer  # noqa: E402
 
 # name: generated-shared-prefix workload (the issue's cases; 'chat' turns hold one concurrency slot each)
 WORKLOADS = {
@@ -108,7 +112,8 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
              "--log-level", "info", *(["--model-path", args.model_path] if args.model_path else []), *args.server_flag]
     started = time.perf_counter()
     result = {"server_flags": flags, "workloads": {}}
-    server = LiveServer(*flags)
+    triton_cache = Path(tempfile.mkdtemp(prefix="sglang-shadowkv-triton-"))  # fresh: compiles while serving show
+    server = LiveServer(*flags, env={"TRITON_CACHE_DIR": str(triton_cache)})
     try:
         server.wait_healthy(args.startup_timeout)
         info = httpx.get(server.url + "/get_server_info", timeout=60).json()
@@ -116,7 +121,7 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
                       capacity=info["capacity"], graphs=info["steps"]["cuda_graph"])
         for name in args.workloads:
             httpx.post(server.url + "/flush_cache", timeout=60)
-            before = server_counters(server.url)
+            before, kernels = server_counters(server.url), triton_variants(triton_cache)
             out_file = workdir / f"{mode}_{name}.jsonl"
             cargs = client_args(WORKLOADS[name], server.url, "bench", args.tokenizer, str(out_file))
             t0 = time.perf_counter()
@@ -137,6 +142,7 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
                 "client_args": cargs, "returncode": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1),
                 **{k: client.get(k) for k in METRICS}, **request_details(client),
                 "server": counter_delta(before, after),
+                "triton_compiles": new_variants(kernels, triton_variants(triton_cache)),
                 "client_tail": proc.stdout[-1500:] if proc.returncode else "",
                 "client_stderr_tail": proc.stderr[-1500:] if proc.returncode else "",
                 **({"profile": profile} if profile is not None else {})}
@@ -144,7 +150,19 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
     finally:
         result["server_log_tail"] = server.output()[-4000:]
         server.kill_group()
+        shutil.rmtree(triton_cache, ignore_errors=True)
     return result
+
+
+def triton_variants(cache: Path) -> dict[str, int]:
+    """Compiled variants per Triton kernel in the server's cache folder."""
+    return {name: kernel["variants"] for name, kernel in compiled_kernels(cache).items()}
+
+
+def new_variants(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Variants compiled between two snapshots, per kernel: a request that waited for the compiler
+    (the server's warmup should have compiled every variant serving needs)."""
+    return {name: n - before.get(name, 0) for name, n in after.items() if n != before.get(name, 0)}
 
 
 def request_details(client: dict) -> dict:

@@ -43,3 +43,21 @@ def test_request_details_keep_each_requests_ttft_and_prompt_length():
     client = {"ttfts": [0.51234, 12.0], "input_lens": [16448, 16544], "median_ttft_ms": 1.0}
     assert request_details(client) == {"ttfts_s": [0.512, 12.0], "prompt_lens": [16448, 16544]}
     assert request_details({"median_ttft_ms": 1.0}) == {}  # a client without --output-details
+
+
+def test_the_kernels_compiled_while_a_workload_ran_are_the_new_variants_per_kernel(tmp_path):
+    """The server's Triton cache before and after a workload: a kernel with more variants (or a new
+    kernel) was compiled while requests waited."""
+    from benchmarks.sglang_client_bench import new_variants, triton_variants
+
+    assert triton_variants(tmp_path / "missing") == {}
+    entry = tmp_path / "abc"
+    entry.mkdir()
+    (entry / "_chunk_stats_kernel.cubin").write_bytes(b"x")
+    (entry / "_chunk_stats_kernel.json").write_text("{}")
+    (tmp_path / "launcher").mkdir()  # no binary: not a kernel variant
+    (tmp_path / "launcher" / "stub.so").write_bytes(b"x")
+    assert triton_variants(tmp_path) == {"_chunk_stats_kernel": 1}
+    assert new_variants({"_chunk_stats_kernel": 1, "_rotate_kernel": 1},
+                        {"_chunk_stats_kernel": 2, "_rotate_kernel": 1, "_plan_kernel": 1}) == \
+        {"_chunk_stats_kernel": 1, "_plan_kernel": 1}
