@@ -97,7 +97,8 @@ def main() -> None:
         while sched.has_work:
             sched.step()
         graphs = sched.runner.graphs
-        width = next(v for size, v in graphs.graphs if isinstance(v, int))  # the document's decode width
+        # the document's decode width: the widest plain sparse variant (the warmup's document is shorter)
+        width = max(v for _, v in graphs.graphs if isinstance(v, int))
         keys = [(graphs.max_bs, width), (graphs.max_bs, ("long_window", width)),
                 (("suffix", 1, 64), ("suffix", width)), (("suffix", 1, 128), ("suffix", width))]
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
