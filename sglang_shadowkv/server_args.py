@@ -54,6 +54,10 @@ class ServerArgs:
                                            "eagerly (default: --max-running-requests)")
     disable_overlap_schedule: bool = _field(False, "prepare each step only after the previous step's tokens are back "
                                             "(by default the CPU schedules step N+1 while the GPU runs step N)")
+    disable_mixed_step_overlap: bool = _field(False, "GPU, ShadowKV: run a mixed step's graph parts (decodes and "
+                                              "questions over compressed documents) and its eager prompt chunks one "
+                                              "after the other on one stream (by default the graphs replay beside "
+                                              "the prompt chunks on a side stream)")
     skip_server_warmup: bool = _field(False, "GPU: start serving without the warmup requests that compile every "
                                       "kernel first (otherwise the first user request pays for the compilation)")
     check_integrity: bool = _field(False, "whenever the scheduler goes idle, check that every KV page, compressed "

@@ -1,7 +1,8 @@
 """FlashInfer paged attention (GPU): the decode wrapper for pure decode steps, the prefill
 wrapper (causal, ragged queries over paged KV) for steps that carry prefill chunks, and one
 CUDA-graph decode wrapper per captured batch size, planned before each replay into its fixed
-page-table buffers (as SGLang's FlashInfer backend does)."""
+page-table buffers (as SGLang's FlashInfer backend does). The graphs' wrappers have a workspace of
+their own: a ShadowKV mixed step replays a decode graph beside its eager prompt chunk."""
 
 from __future__ import annotations
 
@@ -22,21 +23,24 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._graph_decode: dict[int, object] = {}  # batch size -> CUDA-graph decode wrapper
+        self._graph_workspace: torch.Tensor | None = None  # made with the graph state
         ps = pool.page_size
         self._paged = [(k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:]))
                        for k, v in zip(pool.k_buffers, pool.v_buffers)]
-        self._planned: torch.cuda.Event | None = None
+        self._planned: dict[int, torch.cuda.Event] = {}  # per wrapper: its last plan's copy
         self._wrapper = None
 
     def _plan(self, wrapper, *args, **kwargs) -> None:
-        """plan() stages its tables in a page-locked buffer that it copies to the device
-        asynchronously; with overlap scheduling the previous step's copy may still be queued
-        behind the step before it, so wait for it before the buffer is written again."""
-        if self._planned is not None:
-            self._planned.synchronize()
+        """plan() stages its tables in the wrapper's page-locked buffer and copies them to the
+        device asynchronously; with overlap scheduling that wrapper's last copy may still be queued
+        behind the step in flight, so wait for it before the buffer is written again (only the same
+        wrapper's: another's copy does not touch this buffer)."""
+        planned = self._planned.get(id(wrapper))
+        if planned is not None:
+            planned.synchronize()
         wrapper.plan(*args, **kwargs)
-        self._planned = torch.cuda.Event()
-        self._planned.record()
+        planned = self._planned[id(wrapper)] = torch.cuda.Event()
+        planned.record()
         self._wrapper = wrapper
 
     def _plan_decode(self, wrapper, batch: ForwardBatch) -> None:
@@ -65,13 +69,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._graph_page_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
         self._graph_page_ids = torch.zeros(max_kv_tokens // ps + max_bs, dtype=torch.int32, device=dev)
         self._graph_last_len = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        self._graph_workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
 
     def begin_graph_step(self, batch: ForwardBatch, variant) -> None:
         bs = batch.batch_size
         wrapper = self._graph_decode.get(bs)
         if wrapper is None:
             wrapper = self._graph_decode[bs] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_cuda_graph=True,
+                self._graph_workspace, "NHD", use_cuda_graph=True,
                 paged_kv_indptr_buffer=self._graph_page_indptr[:bs + 1],
                 paged_kv_indices_buffer=self._graph_page_ids,
                 paged_kv_last_page_len_buffer=self._graph_last_len[:bs])
