@@ -26,13 +26,12 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
-QUESTION_TOKENS = 64
-
-
-def _tokens(rng, n: int, vocab: int) -> list[int]:
-    return rng.integers(100, vocab - 100, n).tolist()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+from benchmarks.cold_and_hit import QUESTION_TOKENS, _tokens  # noqa: E402  (its random documents and questions)
 
 
 def one_round(engine, doc: list[int], cold_doc: list[int], questions: list[list[int]], decode_tokens: int) -> dict:
@@ -112,11 +111,11 @@ def main(argv: list[str] | None = None) -> dict:
         runner.parts_stream = side_stream
         info = engine.get_server_info()
     first = rounds[0]["outputs"]
-    differ = sorted({rid for r in rounds[1:] for rid, ids in r["outputs"].items() if ids != first[rid]})
-    for r in rounds:  # where each request's tokens part from round 0's, and from the last round of its setting
-        same_setting = next((o for o in reversed(rounds[:rounds.index(r)]) if o["overlap"] == r["overlap"]), None)
+    for i, r in enumerate(rounds):  # where each request's tokens part from round 0's, and from the last round of its setting
+        same_setting = next((o for o in reversed(rounds[:i]) if o["overlap"] == r["overlap"]), None)
         r["first_difference"] = {"from_round_0": first_difference(first, r["outputs"]),
                                  "from_same_setting": same_setting and first_difference(same_setting["outputs"], r["outputs"])}
+    differ = sorted({rid for r in rounds for rid in r["first_difference"]["from_round_0"]})
 
     def median_of(overlap: bool, key: str):
         values = [r[key] for r in rounds if r["overlap"] == overlap]
