@@ -3,11 +3,11 @@
 A Llama-3.1-8B-shaped model (32 layers, hidden 4096, 32 query heads, 8 KV heads, head dim 128;
 random bf16 weights made on the device) decodes through the engine's real path: ModelRunner.forward
 (embedding, 32 layers through the attention backend, lm_head, the greedy pick), eagerly and as a
-CUDA graph (managers/cuda_graph.py), fed one token per request per step from a fixed random token
-stream (a teacher-forced text). Requests are put straight into the decode state, because prefilling
-B x 122K tokens would take longer than the device session: full attention gets random KV in its
-paged pool; ShadowKV gets segments made by the real compression (compress_layer) from synthetic
-pre-RoPE keys, plus a dense window of its last tokens.
+CUDA graph (model_executor/cuda_graph_runner.py), fed one token per request per step from a fixed
+random token stream (a teacher-forced text). Requests are put straight into the decode state,
+because prefilling B x 122K tokens would take longer than the device session: full attention gets
+random KV in its paged pool; ShadowKV gets segments made by the real compression (compress_layer)
+from synthetic pre-RoPE keys, plus a dense window of its last tokens.
 
 The chunk-cache hit rate (how many of a step's selected chunks the previous steps already fetched)
 decides most of ShadowKV's cost and depends on the data, so two workloads run:

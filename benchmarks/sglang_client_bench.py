@@ -7,7 +7,9 @@ arriving cold as users send them (their first prefill and compression inside the
 
 Per mode: one server (its own process group), every workload in order with /flush_cache between,
 the client's result line and the server's counters after each. The JSON names the device, the
-client's arguments per workload, and ShadowKV's ratios to full attention where both ran.
+date, the client's arguments per workload, and ShadowKV's ratios to full attention where both ran.
+The client's per-request output files live in a temporary folder, removed at the end; a
+`--profile-at` window's traces go beside --out.
 `--client` is a script running `sglang.benchmark.serving.cli_main` (SGLang's own `python -m
 sglang.bench_serving` works the same way where SGLang is installed).
 """
@@ -15,19 +17,21 @@ sglang.bench_serving` works the same way where SGLang is installed).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
-from benchmarks.startup_capture import compiled_kernels  # noqa: E402
 from sglang_shadowkv.scheduler.counters import clock_since  # noqa: E402
 from sglang_shadowkv.testing.live_server import LiveServer  # noqa: E402
 
@@ -39,6 +43,11 @@ WORKLOADS = {
     # document, re-prefilling caps any cache's gain near 1.3x: 40 first prefills of 80 requests)
     "many_16k": dict(groups=40, per_group=4, doc=16384, output=32, concurrency=16),
     "chat_16k": dict(groups=48, per_group=1, turns=4, doc=16384, output=32, concurrency=48),
+    # tensor parallelism's cases: 8 documents asked 8 questions each; a cold 32K prompt's time to
+    # first token (the client's warm-up request caches the first of the three); 8 long decodes at 32K
+    "docs_32k_8q": dict(groups=8, per_group=8, doc=32768, output=64, concurrency=16),
+    "cold_32k": dict(groups=3, per_group=1, doc=32768, output=8, concurrency=1),
+    "decode_32k_x8": dict(groups=8, per_group=1, doc=32768, output=256, concurrency=8),
     "tiny": dict(groups=2, per_group=2, turns=2, doc=600, output=8, concurrency=2),  # seconds on a CPU
 }
 QUESTION_TOKENS = 64
@@ -107,7 +116,7 @@ def profile_window(url: str, at: float, steps: int, workdir: Path) -> threading.
     return thread
 
 
-def run_mode(mode: str, args, workdir: Path) -> dict:
+def run_mode(mode: str, args, workdir: Path, profile_dir: Path, saved=lambda result: None) -> dict:
     flags = ["--attention", mode, "--tokenizer-path", args.tokenizer, "--served-model-name", "bench",
              "--log-level", "info", *(["--model-path", args.model_path] if args.model_path else []), *args.server_flag]
     started = time.perf_counter()
@@ -118,14 +127,14 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
         server.wait_healthy(args.startup_timeout)
         info = httpx.get(server.url + "/get_server_info", timeout=60).json()
         result.update(startup_s=round(time.perf_counter() - started, 1), device=device_name(info["device"]),
-                      capacity=info["capacity"], graphs=info["steps"]["cuda_graph"])
+                      capacity=info["capacity"], graphs=info["steps"]["cuda_graph"], ranks=info.get("ranks"))
         for name in args.workloads:
             httpx.post(server.url + "/flush_cache", timeout=60)
             before, kernels = server_counters(server.url), triton_variants(triton_cache)
             out_file = workdir / f"{mode}_{name}.jsonl"
             cargs = client_args(WORKLOADS[name], server.url, "bench", args.tokenizer, str(out_file))
             t0 = time.perf_counter()
-            profiler = profile_window(server.url, args.profile_at, args.profile_steps, workdir) if args.profile_at else None
+            profiler = profile_window(server.url, args.profile_at, args.profile_steps, profile_dir) if args.profile_at else None
             try:
                 proc = subprocess.run([sys.executable, args.client, *cargs], capture_output=True, text=True,
                                       timeout=args.workload_timeout)
@@ -147,11 +156,43 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
                 "client_stderr_tail": proc.stderr[-1500:] if proc.returncode else "",
                 **({"profile": profile} if profile is not None else {})}
             print(f"{mode:9s} {name:11s} " + summary_line(result["workloads"][name]), flush=True)
+            saved(result)  # each workload on disk as it ends: a run cut short keeps what it measured
     finally:
         result["server_log_tail"] = server.output()[-4000:]
         server.kill_group()
         shutil.rmtree(triton_cache, ignore_errors=True)
     return result
+
+
+def ttir_signature(files: list[Path]) -> str:
+    """A variant's signature as Triton specialized it (argument types and divisibility attributes,
+    from its .ttir): what tells two variants of one kernel apart."""
+    for f in files:
+        if f.suffix == ".ttir":
+            for line in f.read_text().splitlines():
+                if "tt.func public" in line:
+                    return re.sub(r" ?loc\([^()]*(\([^()]*\))?\)", "", line.strip())[:4000]
+    return ""
+
+
+def compiled_kernels(cache_dir: Path) -> dict[str, dict]:
+    """Per Triton kernel name in a cache folder: its variants, their compile seconds (first to last
+    stage file of each variant) and, for a kernel of several variants, their signatures."""
+    kernels: dict[str, dict] = defaultdict(lambda: {"variants": 0, "seconds": 0.0, "signatures": []})
+    for entry in cache_dir.iterdir() if cache_dir.is_dir() else []:
+        files = [f for f in entry.iterdir() if f.is_file()]
+        binaries = [f for f in files if f.suffix in (".cubin", ".hsaco")]
+        if not binaries:
+            continue  # launcher stubs and other cached helpers
+        stamps = [f.stat().st_mtime for f in files if not f.name.startswith("__grp__")]
+        record = kernels[binaries[0].stem]
+        record["variants"] += 1
+        record["seconds"] = round(record["seconds"] + max(stamps) - min(stamps), 2)
+        record["signatures"].append(ttir_signature(files))
+    for record in kernels.values():
+        if record["variants"] < 2:
+            record.pop("signatures")
+    return dict(sorted(kernels.items(), key=lambda kv: -kv[1]["seconds"]))
 
 
 def triton_variants(cache: Path) -> dict[str, int]:
@@ -236,13 +277,20 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         if not args.client or not args.tokenizer:
             parser.error("--client and --tokenizer are required unless --merge is given")
-        workdir = Path(args.out).parent
-        workdir.mkdir(parents=True, exist_ok=True)
+        out_dir = Path(args.out).parent
+        out_dir.mkdir(parents=True, exist_ok=True)
         report = {"client": "sglang.benchmark.serving (sglang 0.5.23), backend sglang-oai-chat, "
                             "dataset generated-shared-prefix, documents cold",
-                  "model_path": args.model_path, "modes": {}}
-        for mode in args.modes:
-            report["modes"][mode] = run_mode(mode, args, workdir)
+                  "model_path": args.model_path, "date": datetime.date.today().isoformat(), "modes": {}}
+        workdir = Path(tempfile.mkdtemp(prefix="sglang-client-bench-"))  # the client's per-request files
+        try:
+            for mode in args.modes:
+                def saved(result, mode=mode):
+                    report["modes"][mode] = result
+                    Path(args.out).write_text(json.dumps(report, indent=1))
+                report["modes"][mode] = run_mode(mode, args, workdir, out_dir, saved)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
     report["shadowkv_vs_full"] = ratios(report)
     Path(args.out).write_text(json.dumps(report, indent=1))
     for name, r in report["shadowkv_vs_full"].items():

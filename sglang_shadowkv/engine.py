@@ -8,11 +8,15 @@
 The model and caches are released by shutdown(), at the end of a `with` block, when the engine is
 garbage collected, or at interpreter exit, whichever comes first (a weakref.finalize, so the exit
 hook does not keep the engine alive). Any call after that raises EngineShutDown.
+
+With tp_size=N this process is rank 0 of a tensor-parallel group and starts ranks 1..N-1 as
+processes that follow it (managers/ranks.py, managers/rank_mirror.py): the same calls, the same answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -25,11 +29,15 @@ import torch
 
 from tqdm import tqdm
 
+from sglang_shadowkv.managers.rank_mirror import MirroredScheduler
+from sglang_shadowkv.managers.ranks import FollowerRanks, start_rank
+from sglang_shadowkv.managers.watchdog import StepWatchdog
 from sglang_shadowkv.managers.request_output import output_dict
 from sglang_shadowkv.managers.io_struct import GenerateReq
 from sglang_shadowkv.scheduler.logprobs import LogprobOptions
 from sglang_shadowkv.managers.parallel_sampling import expand_parallel
 from sglang_shadowkv.scheduler.scheduler import Scheduler
+from sglang_shadowkv.scheduler.server_info import server_info
 from sglang_shadowkv.diagnostics.selection_probe import shadowkv_report
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
@@ -45,10 +53,14 @@ class _Owned:
     """What an engine owns, kept apart from it so that its finalizer can release it without
     referring to (and so keeping alive) the engine itself."""
 
-    def __init__(self, scheduler: Scheduler):
-        self.scheduler: Scheduler | None = scheduler
+    def __init__(self, scheduler: Scheduler | MirroredScheduler, followers: FollowerRanks | None):
+        self.scheduler: Scheduler | MirroredScheduler | None = scheduler
+        self.followers = followers
 
     def release(self) -> None:
+        if self.followers is not None:
+            self.scheduler.close()
+            self.followers.stop()
         self.scheduler = None
         gc.collect()  # the scheduler and its radix cache refer to each other
         if torch.cuda.is_available():
@@ -58,17 +70,35 @@ class _Owned:
 
 class Engine:
     def __init__(self, model_path: str | None = None, attention: str = "full", **kwargs: Any):
-        self.server_args = ServerArgs.from_kwargs(model_path=model_path, attention=attention, **kwargs)
-        self._owned = _Owned(Scheduler(self.server_args))
+        self.server_args = args = ServerArgs.from_kwargs(model_path=model_path, attention=attention, **kwargs)
+        if args.tp_size == 1:
+            self._owned = _Owned(start_rank(args, 0, ""), None)
+        else:
+            followers = FollowerRanks(args)
+            try:
+                scheduler = start_rank(args, 0, followers.init_method)
+                followers.wait_ready(args.startup_timeout)
+            except BaseException:
+                followers.stop()
+                raise
+            self._owned = _Owned(MirroredScheduler(scheduler, followers.command_paths), followers)
         self._release = weakref.finalize(self, self._owned.release)
         self.tokenizer = self._owned.scheduler.tokenizer
         self._lock = threading.Lock()
+        # under tensor parallelism a step waits for every rank: one that never ends stops this
+        # process with the stacks in the log, rather than hanging it (managers/watchdog.py)
+        self._watchdog = StepWatchdog(args.watchdog_timeout, 0) if args.tp_size > 1 else None
         self._rids = itertools.count()
 
     @property
-    def scheduler(self) -> Scheduler:
+    def scheduler(self) -> Scheduler | MirroredScheduler:
         if self._owned.scheduler is None:
             raise EngineShutDown("this Engine is shut down; create a new Engine to generate again")
+        followers = self._owned.followers
+        if followers is not None and followers.dead():
+            rank = followers.dead()[0]
+            raise RuntimeError(f"tensor-parallel rank {rank} is gone ({followers.failure(rank)}); "
+                               "shut this Engine down and start a new one")
         return self._owned.scheduler
 
     # ---- generation ---------------------------------------------------------------------------
@@ -116,8 +146,11 @@ class Engine:
             raise
         bar = tqdm(total=len(reqs), desc="generate", disable=not self.server_args.show_progress)
         pending = {id(r) for r in reqs}
+        watch = self._watchdog.watch if self._watchdog is not None else (lambda what: contextlib.nullcontext())
         while pending:
-            for update in scheduler.step():
+            with watch("step"):
+                updates = scheduler.step()
+            for update in updates:
                 if update.finished and id(update.req) in pending:
                     pending.discard(id(update.req))
                     bar.update(1)
@@ -154,7 +187,8 @@ class Engine:
             return self.scheduler.flush_cache()
 
     def get_server_info(self) -> dict:
-        return self.scheduler.server_info()
+        scheduler = self.scheduler
+        return scheduler.server_info() if isinstance(scheduler, MirroredScheduler) else server_info(scheduler)
 
     def shadowkv_report(self, prompt: str | None = None, input_ids: list[int] | None = None,
                         settings: list[dict] | None = None, num_queries: int = 16) -> list[dict]:
@@ -165,6 +199,8 @@ class Engine:
         settings: one report per entry, each a dict of ShadowKVConfig fields changed from this
         engine's (default: one report at this engine's); the prompt is prefilled once for all.
         `shadowkv.selection_report.format_report(report["summary"])` prints one as a table."""
+        if self.server_args.tp_size > 1:
+            raise ValueError("shadowkv_report runs on one rank: start the Engine with tp_size=1")
         batch, single = self._normalize_prompts(prompt, input_ids)
         if not single:
             raise ValueError("shadowkv_report takes one prompt (a string or one list of token ids)")

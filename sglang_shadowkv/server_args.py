@@ -35,6 +35,15 @@ class ServerArgs:
                             "comparisons, torch backend)")
     attention_backend: str | None = _field(None, "torch (reference), triton, flashinfer (default: best available)")
     device: str | None = _field(None, "cuda or cpu (default: cuda if available)")
+    tp_size: int = _field(1, "tensor parallelism: serve the model across this many GPUs of one host, one process "
+                          "each (rank r on GPU r), its heads and MLP columns split between them; with ShadowKV each "
+                          "rank compresses and decodes its own KV heads and keeps its own host values. On a CPU the "
+                          "ranks are processes joined by gloo (tests)")
+    dist_init_addr: str | None = _field(None, "host:port where the tensor-parallel ranks meet (default: a free port "
+                                        "on 127.0.0.1)")
+    watchdog_timeout: float = _field(300.0, "seconds a scheduler step may take before the server stops with an "
+                                     "error naming the rank (a collective that never completes: a rank died or the "
+                                     "ranks parted), as SGLang's --watchdog-timeout")
     dtype: str = _field("auto", "auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 or float16")
     context_length: int | None = _field(None, "most tokens per request (default: the model's)")
     page_size: int = _field(8, "tokens per KV page")
@@ -116,7 +125,12 @@ class ServerArgs:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _positive(self, "page_size", "max_running_requests")
+        _positive(self, "page_size", "max_running_requests", "tp_size")
+        if self.tp_size > 1 and self.attention in ("streamingllm", "snapkv"):
+            raise ValueError(f"attention={self.attention!r} (an accuracy baseline) runs on one rank; got tp_size="
+                             f"{self.tp_size}")
+        if not self.watchdog_timeout > 0:
+            raise ValueError(f"watchdog_timeout must be positive, got {self.watchdog_timeout}")
         for name in ("cuda_graph_max_bs", "context_length", "max_total_tokens", "chunked_prefill_size"):
             if getattr(self, name) is not None:
                 _positive(self, name)

@@ -1,7 +1,9 @@
 """benchmarks/sglang_client_bench.py's report: parts run in separate device calls merge into one
 comparison, a mode's workloads gathered from every part that ran it."""
 
-from benchmarks.sglang_client_bench import counter_delta, merge_reports, ratios
+import os
+
+from benchmarks.sglang_client_bench import compiled_kernels, counter_delta, merge_reports, ratios
 
 
 def _workload(tok_s: float, ttft_ms: float) -> dict:
@@ -61,3 +63,29 @@ def test_the_kernels_compiled_while_a_workload_ran_are_the_new_variants_per_kern
     assert new_variants({"_chunk_stats_kernel": 1, "_rotate_kernel": 1},
                         {"_chunk_stats_kernel": 2, "_rotate_kernel": 1, "_plan_kernel": 1}) == \
         {"_chunk_stats_kernel": 1, "_plan_kernel": 1}
+
+
+def test_compiled_kernels_counts_variants_and_their_stage_seconds(tmp_path):
+    def variant(name: str, folder: str, start: float, seconds: float, divisible: bool):
+        d = tmp_path / folder
+        d.mkdir()
+        attr = " {tt.divisibility = 16 : i32}" if divisible else ""
+        (d / f"{name}.ttir").write_text(f'module {{\n  tt.func public @{name}(%T: i32{attr} loc("T"(#loc))) {{\n')
+        (d / f"{name}.cubin").write_bytes(b"\0")
+        (d / f"__grp__{name}.json").write_text("{}")
+        os.utime(d / f"{name}.ttir", (start, start))
+        os.utime(d / f"{name}.cubin", (start + seconds, start + seconds))
+        os.utime(d / f"__grp__{name}.json", (start + 100, start + 100))  # not a stage: not counted
+
+    variant("_decode", "a", 1000.0, 2.5, True)
+    variant("_decode", "b", 2000.0, 1.5, False)
+    variant("_rotate", "c", 3000.0, 0.25, True)
+    (tmp_path / "launcher").mkdir()  # a cached helper without a binary
+    (tmp_path / "launcher" / "stub.so").write_bytes(b"\0")
+    kernels = compiled_kernels(tmp_path)
+    assert list(kernels) == ["_decode", "_rotate"]  # the costliest first
+    assert kernels["_decode"]["variants"] == 2 and kernels["_decode"]["seconds"] == 4.0
+    assert set(kernels["_decode"]["signatures"]) == {"tt.func public @_decode(%T: i32) {",
+                                                     "tt.func public @_decode(%T: i32 {tt.divisibility = 16 : i32}) {"}
+    assert kernels["_rotate"] == {"variants": 1, "seconds": 0.25}
+    assert compiled_kernels(tmp_path / "missing") == {}

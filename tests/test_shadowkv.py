@@ -251,7 +251,7 @@ def test_the_step_log_shows_a_compression_and_the_gpu_values(shadow_engine, tmp_
     from sglang_shadowkv.scheduler.counters import StepLog
 
     sched = shadow_engine.scheduler
-    monkeypatch.setattr(sched, "step_log", StepLog(str(tmp_path / "steps.jsonl")))
+    monkeypatch.setattr(sched.step_times, "log", StepLog(str(tmp_path / "steps.jsonl")))
     doc, questions = document_and_questions(shadow_engine.tokenizer, 900, 31)
     for question in questions[:2]:  # the first compresses the document; the second asks over it
         shadow_engine.generate(input_ids=doc + question, sampling_params={"max_new_tokens": 3, "temperature": 0})

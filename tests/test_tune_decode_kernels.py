@@ -1,5 +1,5 @@
-"""benchmarks/tune_decode_kernels.py at its smoke sizes: every kernel's variants run, agree with the
-default launch, and the report names the default of each table."""
+"""maintainers/experiments/tune_decode_kernels.py at its smoke sizes: every kernel's variants run,
+agree with the default launch, and the report names the default of each table."""
 
 import json
 import subprocess
@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_tune_decode_kernels_smoke(tmp_path):
     out = tmp_path / "tune.json"
-    done = subprocess.run([sys.executable, "benchmarks/tune_decode_kernels.py", "--smoke", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "maintainers/experiments/tune_decode_kernels.py", "--smoke",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (run,) = json.loads(out.read_text())["runs"]
     for part in ("gather_gpu_values", "gather_host_values", "rebuild", "attention"):

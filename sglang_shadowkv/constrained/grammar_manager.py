@@ -54,20 +54,28 @@ class GrammarManager:
         self.pending.append(req)
         return True
 
-    def take_ready(self, idle: bool) -> tuple[list, list]:
-        """(requests whose grammar is ready, matcher set; requests whose grammar failed, finished
-        with the reason). idle: nothing else to do, so wait a moment for a compilation."""
+    def ready(self, idle: bool) -> list[str]:
+        """The rids of the pending requests whose grammar has compiled or failed. idle: nothing
+        else to do, so wait a moment for a compilation."""
         if not self.pending:
-            return [], []
+            return []
         if idle:
             wait({self._compiled[r.sampling.grammar] for r in self.pending}, IDLE_WAIT_S,
                  return_when=FIRST_COMPLETED)
+        return [r.rid for r in self.pending if self._compiled[r.sampling.grammar].done()]
+
+    def take(self, rids: list[str]) -> tuple[list, list]:
+        """(the requests of these rids whose grammar is ready, matcher set; those whose grammar
+        failed, finished with the reason), in queue order. A compilation they name that is still
+        running is waited for: a tensor-parallel rank takes what rank 0 found ready."""
+        chosen = set(rids)
         ready, failed, still = [], [], []
         for req in self.pending:
-            future = self._compiled[req.sampling.grammar]
-            if not future.done():
+            if req.rid not in chosen:
                 still.append(req)
-            elif future.exception() is not None:
+                continue
+            future = self._compiled[req.sampling.grammar]
+            if future.exception() is not None:
                 err = future.exception()
                 logger.warning("grammar of request %s failed to compile: %s", req.rid, err)
                 req.finish_reason = {"type": "abort", "status_code": 400,

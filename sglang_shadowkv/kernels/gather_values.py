@@ -25,8 +25,8 @@ import triton.language as tl
 from sglang_shadowkv.kernels.padding_rows import live_rows
 from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_jobs
 
-# the persistent grid's size and each program's chunks per step. On the H100 (benchmarks/
-# tune_decode_kernels.py, 16 requests x 256 chunks per KV head) from the GPU copy 4 chunks a step
+# the persistent grid's size and each program's chunks per step. On the H100 (maintainers/
+# experiments/tune_decode_kernels.py, 16 requests x 256 chunks per KV head) from the GPU copy 4 chunks a step
 # took 55 µs a layer on 4 programs per SM, against 143 for 1 on 2 (48 requests: 143 against 412);
 # beside the key rebuild on the other stream, 200 µs with 4 programs per SM, 213 with 2, 202 with 8.
 # From pinned host memory every grid alone runs at PCIe speed (49 GB/s), but beside the rebuild 4

@@ -27,7 +27,7 @@ from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_jobs
 
 ROWS_PER_PROGRAM = 128  # key rows a program rebuilds together (entries x chunk tokens): one tensor-core tile
 # low-rank columns per step of a program's loop, its warps and pipeline stages (None: Triton's
-# default). On the H100 (benchmarks/tune_decode_kernels.py, 16 requests x 256 chunks per KV head)
+# default). On the H100 (maintainers/experiments/tune_decode_kernels.py, 16 requests x 256 chunks per KV head)
 # 64 columns in one stage took 163 µs a layer against 190 for 32 in Triton's default 3; 8 warps
 # and 64-row programs failed to compile there (Triton 3.6)
 RANK_BLOCK, WARPS, STAGES = 64, 4, 1

@@ -46,7 +46,7 @@ class Launch:
 
 
 # decode programs (rows below WIDE_PROGRAM_ROWS): on the H100, 16 requests x 304 chunks of 8 tokens
-# (benchmarks/tune_decode_kernels.py) took 69-71 µs a layer this way against 103 µs for 64 keys, 3
+# (maintainers/experiments/tune_decode_kernels.py) took 69-71 µs a layer this way against 103 µs for 64 keys, 3
 # stages and no split (48 requests: 185 against 245 µs). Suffix tiles keep the settings measured
 # with them (bench_kernels key_splits: splits there lost 18% for 4 tiles).
 DECODE_LAUNCH = Launch(keys_per_block=128, warps=4, stages=2, least_splits=2)

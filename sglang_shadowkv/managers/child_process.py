@@ -24,10 +24,11 @@ import importlib
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PR_SET_PDEATHSIG = 1
 WATCHDOG_PERIOD_S = 0.5
@@ -35,10 +36,33 @@ WATCHDOG_PERIOD_S = 0.5
 
 @dataclass
 class IpcPaths:
-    """ZMQ endpoints of the three processes (ipc:// in a private temporary folder)."""
+    """ZMQ endpoints of the three processes (ipc:// in a private temporary folder), and of the
+    tensor-parallel ranks 1..N-1 that follow rank 0's scheduler (managers/rank_mirror.py)."""
     scheduler: str
     detokenizer: str
     tokenizer_manager: str
+    rank_commands: list[str] = field(default_factory=list)
+
+
+SCHEDULER_ENTRY = "sglang_shadowkv.managers.scheduler_process:run_scheduler_process"
+
+
+def rank_process_name(rank: int, tp_size: int) -> str:
+    return "sglang-shadowkv-scheduler" + (f" rank {rank}" if tp_size > 1 else "")
+
+
+def rank_command_paths(folder: str, tp_size: int) -> list[str]:
+    """Where tensor-parallel rank r > 0 listens for rank 0's calls (managers/rank_mirror.py)."""
+    return [f"ipc://{folder}/rank{r}" for r in range(1, tp_size)]
+
+
+def rendezvous(dist_init_addr: str | None) -> str:
+    """Where the tensor-parallel ranks meet: --dist-init-addr, or a free port on this host."""
+    if dist_init_addr:
+        return f"tcp://{dist_init_addr}"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
 
 
 def run_child(entry_point: str, *args) -> None:

@@ -6,17 +6,27 @@ calls (flush, server info) straight to the tokenizer manager. A request the Sche
 back as a finished output carrying the error, so the client gets it as an HTTP 400.
 
 The status pipe to the launcher carries readiness (or why loading failed) and, if the loop itself
-crashes, the reason, so the launcher can name it when it takes the server down.
+crashes or the step watchdog fires, the reason, so the launcher can name it when it takes the
+server down.
+
+Under tensor parallelism there is one such process per rank: rank 0 runs the loop over a
+MirroredScheduler, which shares every call with the other ranks; they `follow` it
+(managers/rank_mirror.py) and send nothing on.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 
 import zmq
 
 from sglang_shadowkv.server_args import ServerArgs
 
+from sglang_shadowkv.managers.rank_mirror import MirroredScheduler, follow
+from sglang_shadowkv.managers.ranks import start_rank
+from sglang_shadowkv.managers.watchdog import StepWatchdog
 from sglang_shadowkv.managers.child_process import IpcPaths, die_with_parent
 from sglang_shadowkv.managers.request_output import meta_info
 from sglang_shadowkv.managers.io_struct import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
@@ -27,30 +37,37 @@ from sglang_shadowkv.diagnostics.step_profiler import StepProfiler
 logger = logging.getLogger(__name__)
 
 
-def run_scheduler_process(args: ServerArgs, paths: IpcPaths, status_pipe) -> None:
+def run_scheduler_process(args: ServerArgs, paths: IpcPaths, status_pipe, rank: int = 0,
+                          init_method: str = "") -> None:
     die_with_parent()
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack, to the log
+    name = "scheduler" if args.tp_size == 1 else f"scheduler rank {rank}"
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
     try:
-        scheduler = Scheduler(args)
+        scheduler = start_rank(args, rank, init_method)
     except Exception as err:  # reported to the launcher, which exits with the message
-        logger.exception("scheduler failed to start")
+        logger.exception("%s failed to start", name)
         status_pipe.send({"error": f"{type(err).__name__}: {err}"})
         return
     runner = scheduler.runner
     status_pipe.send({"tokenizer": scheduler.tokenizer, "model_path": runner.loaded.model_path,
                       "context_length": runner.context_length, "vocab_size": runner.config.vocab_size,
-                      "max_total_tokens": scheduler.pool.capacity * scheduler.page_size})
+                      "max_total_tokens": scheduler.pool.capacity * scheduler.page_size} if rank == 0 else {})
+    watchdog = StepWatchdog(args.watchdog_timeout, rank, lambda message: status_pipe.send({"error": message}))
     try:
-        SchedulerLoop(scheduler, paths).run()
+        if rank == 0:
+            SchedulerLoop(MirroredScheduler(scheduler, paths.rank_commands), paths, watchdog).run()
+        else:
+            follow(scheduler, paths.rank_commands[rank - 1], watchdog)
     except Exception as err:  # outside the per-step handler: the server cannot go on
-        logger.exception("the scheduler loop crashed")
+        logger.exception("the %s loop crashed", name)
         status_pipe.send({"error": f"{type(err).__name__}: {err}"})
         raise SystemExit(1) from None
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, paths: IpcPaths):
-        self.scheduler = scheduler
+    def __init__(self, scheduler: Scheduler | MirroredScheduler, paths: IpcPaths, watchdog: StepWatchdog):
+        self.scheduler, self.watchdog = scheduler, watchdog
         context = zmq.Context()
         self.recv = context.socket(zmq.PULL)
         self.recv.bind(paths.scheduler)
@@ -65,14 +82,17 @@ class SchedulerLoop:
         while True:
             outs: list[TokenOut] = []
             for msg in self._receive(block=not self.scheduler.has_work):
-                outs.extend(self._handle(msg))
+                with self.watchdog.watch(type(msg).__name__):
+                    outs.extend(self._handle(msg))
             stepped = self.scheduler.has_work
             if stepped:
-                outs.extend(self._step())
+                with self.watchdog.watch("step"):
+                    outs.extend(self._step())
             if outs:
                 self.to_detokenizer.send_pyobj(outs)
             if stepped and not self.scheduler.has_work:
-                self.scheduler.run_when_idle()
+                with self.watchdog.watch("idle-time work"):
+                    self.scheduler.run_when_idle()
 
     def _receive(self, block: bool) -> list:
         msgs = []

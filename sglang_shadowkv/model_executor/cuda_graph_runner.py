@@ -33,6 +33,7 @@ from collections import Counter
 
 import torch
 
+from sglang_shadowkv.distributed.parallel_state import get_tp
 from sglang_shadowkv.layers.attention.base import NO_GRAPH, AttentionBackend, ForwardBatch
 from sglang_shadowkv.mem_cache.kv_pool import ReqToTokenPool, to_device
 from sglang_shadowkv.shadowkv.suffix_prefill import GRAPH_REQUESTS, GRAPH_TOKENS, compile_tokens
@@ -61,7 +62,7 @@ PAD_ROWS_BEFORE_CAPTURE = 2500
 # step of more suffixes than any captured graph of its shape holds replays the largest captured one
 # once per group of its requests, until those extra replays (~25-40 ms each at 16K on the H100)
 # have cost about what the capture does (0.2-0.35 s, with every request waiting: a capture's end
-# waits for the device to drain, benchmarks/capture_wait.py). The chat's first-turn phase met two
+# waits for the device to drain: measured, docs/design.md). The chat's first-turn phase met two
 # or four turns at once a few times and captured a graph for each count.
 EXTRA_SUFFIX_REPLAYS_BEFORE_CAPTURE = 8
 
@@ -267,7 +268,8 @@ class CudaGraphRunner:
         """The step's logits into the fixed buffer (a suffix step: each request's last real row,
         not its last padding row)."""
         rows = self.suffix_logit_rows[:batch.batch_size] if isinstance(key[0], tuple) else None
-        self.logits[:batch.batch_size].copy_(self.model(batch, self.backend, rows))
+        with get_tp().graph_collectives():
+            self.logits[:batch.batch_size].copy_(self.model(batch, self.backend, rows))
 
     def _write_inputs(self, batch: ForwardBatch) -> None:
         """Token ids (each request's last sampled token, already on the device), positions and the
@@ -360,8 +362,10 @@ class CudaGraphRunner:
                 self._forward(batch, key)
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        # under tensor parallelism NCCL's watchdog thread queries events while a graph records
+        mode = "thread_local" if get_tp().size > 1 else "global"
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=self._pool)
+            graph.capture_begin(pool=self._pool, capture_error_mode=mode)
             try:
                 self._forward(batch, key)
             finally:

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from sglang_shadowkv.distributed.parallel_state import get_tp
 from sglang_shadowkv.layers.attention import ForwardBatch, create_attention_backend
 from sglang_shadowkv.layers.attention.eviction_backend import (
     EVICTION_POLICIES, EvictionAttentionBackend, make_eviction_policy)
@@ -29,10 +30,15 @@ CPU_POOL_TOKENS_PER_CONTEXT = 4  # a CPU's pools: this many full context windows
 MAX_SEGMENTS = 4096  # compressed segments at once (their bases and tables are small; their pages come from the pool)
 
 
-def resolve_device(args: ServerArgs) -> torch.device:
-    if args.device:
-        return torch.device(args.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def resolve_device(args: ServerArgs, tp_rank: int = 0) -> torch.device:
+    """--device (default: cuda if there is one); a tensor-parallel rank takes the GPU of its number."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and args.tp_size > 1:
+        if args.tp_size > torch.cuda.device_count():
+            raise ValueError(f"tp_size {args.tp_size} needs {args.tp_size} GPUs; this machine has "
+                             f"{torch.cuda.device_count()}")
+        return torch.device("cuda", tp_rank)
+    return device
 
 
 def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
@@ -62,14 +68,17 @@ def default_chunked_prefill_size(device: torch.device) -> int:
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, loaded: LoadedModel | None = None):
-        """loaded: a model already in memory (benchmarks build several runners over one model)."""
-        self.device = resolve_device(args)
+        """loaded: a model already in memory (benchmarks build several runners over one model).
+        Under tensor parallelism (distributed/parallel_state.py, joined before this) the runner
+        holds this rank's share: its heads' KV pool, ShadowKV state and host values."""
+        self.tp = get_tp()
+        self.device = resolve_device(args, self.tp.rank)
         self.dtype = resolve_dtype(args, self.device)
         start = time.perf_counter()
         self.loaded = loaded or load_model(args.model_path, self.dtype, self.device, args.context_length,
                                            args.tokenizer_path)
         logger.info("model %s ready in %.1f s", args.model_path or "(embedded)", time.perf_counter() - start)
-        self.config = cfg = self.loaded.config
+        self.config = cfg = self.loaded.config.for_ranks(self.tp.size)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.context_length = cfg.context_length
@@ -122,16 +131,24 @@ class ModelRunner:
             return MemoryPlan(tokens, host_chunks)
         gpu_budget = int(free_gpu_bytes(self.device) * args.mem_fraction_static)
         if skv is None:
-            return plan_gpu_memory(gpu_budget, bytes_per_token, 0)
+            return self._same_on_every_rank(plan_gpu_memory(gpu_budget, bytes_per_token, 0))
+        # the ranks of one host share its memory: each takes its share
         host_budget = (skv.host_tokens // skv.chunk_size * host_per_chunk if skv.host_tokens
-                       else int(available_host_bytes() * skv.host_mem_fraction))
+                       else int(available_host_bytes() * skv.host_mem_fraction / self.tp.size))
         # per page: each layer's outlier-block positions; per chunk slot (at most 64 a page) three int32s
         metadata = (4 * cfg.num_kv_heads * cfg.num_layers + 12 * 64) // skv.chunk_size + 1
-        plan = plan_gpu_memory(gpu_budget, bytes_per_token, metadata, host_budget, host_per_chunk)
+        plan = self._same_on_every_rank(plan_gpu_memory(gpu_budget, bytes_per_token, metadata, host_budget,
+                                                         host_per_chunk))
         logger.info("memory: %d pool tokens (dense, compressed or chunk-cache scratch, %.1f GiB), "
                     "%.1f GiB page-locked host for %d compressed chunks", plan.pool_tokens,
                     plan.pool_tokens * bytes_per_token / 2**30, plan.host_chunks * host_per_chunk / 2**30,
                     plan.host_chunks)
+        return plan
+
+    def _same_on_every_rank(self, plan: MemoryPlan) -> MemoryPlan:
+        """The plan every rank can hold (the least over ranks): the pools must be of one size on
+        all ranks, or their caches, evictions and demotions would part."""
+        plan.pool_tokens, plan.host_chunks = self.tp.min_over_ranks(plan.pool_tokens, plan.host_chunks)
         return plan
 
     def _build_shadowkv(self, max_running_requests: int) -> None:

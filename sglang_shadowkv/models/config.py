@@ -6,7 +6,7 @@ the default rope settings, so the model code stays one implementation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {
@@ -45,6 +45,34 @@ class ModelConfig:
     def kv_dim(self) -> int:
         """Width of one token's keys across all KV heads (h_kv * d)."""
         return self.num_kv_heads * self.head_dim
+
+    def kv_replicas(self, tp_size: int) -> int:
+        """Ranks sharing each KV head: 1 when the KV heads split across the ranks; with more ranks
+        than KV heads each head is replicated on tp_size / num_kv_heads ranks (as SGLang does)."""
+        return max(1, tp_size // self.num_kv_heads)
+
+    def for_ranks(self, tp_size: int) -> "ModelConfig":
+        """One rank's share under tensor parallelism of tp_size ranks: its query and KV heads (the
+        KV pool, ShadowKV and the attention backends see only these). Raises ValueError naming
+        what does not split."""
+        if tp_size == 1:
+            return self
+        problems = []
+        if self.num_heads % tp_size:
+            problems.append(f"{self.num_heads} attention heads")
+        if self.num_kv_heads >= tp_size and self.num_kv_heads % tp_size:
+            problems.append(f"{self.num_kv_heads} KV heads")
+        if self.num_kv_heads < tp_size and tp_size % self.num_kv_heads:
+            problems.append(f"{self.num_kv_heads} KV heads (more ranks than KV heads: the ranks must be a "
+                            f"multiple of them, each head then replicated)")
+        if self.intermediate_size % tp_size:
+            problems.append(f"an MLP width of {self.intermediate_size}")
+        if problems:
+            raise ValueError(f"tp_size {tp_size} does not divide the model {self.name or self.architecture}: "
+                             + "; ".join(problems))
+        return replace(self, num_heads=self.num_heads // tp_size,
+                       num_kv_heads=max(1, self.num_kv_heads // tp_size),
+                       intermediate_size=self.intermediate_size // tp_size)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "") -> "ModelConfig":

@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama 2/3/3.1, SmolLM, Mistral) and Qwen2 (same graph plus QKV bias).
 
 Our own module rather than transformers' so that attention runs through the engine's backend over
-the paged pool, one flattened step of many requests at a time.
+the paged pool, one flattened step of many requests at a time. Under tensor parallelism each rank
+builds its own share (layers/linear.py): its heads of q, k and v, its columns of the MLP and its
+rows of the vocabulary; the attention backend sees only this rank's heads.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang_shadowkv.distributed.parallel_state import get_tp
 from sglang_shadowkv.layers.attention import AttentionBackend, ForwardBatch
+from sglang_shadowkv.layers.linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                           VocabParallelEmbedding)
 from sglang_shadowkv.layers.norm import RMSNorm
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
 
@@ -21,11 +26,13 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        local = cfg.for_ranks(get_tp().size)
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, cfg.head_dim
+        replicas = cfg.kv_replicas(get_tp().size)
+        self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = ColumnParallelLinear(cfg.hidden_size, cfg.kv_dim, cfg.attention_bias, replicas)
+        self.v_proj = ColumnParallelLinear(cfg.hidden_size, cfg.kv_dim, cfg.attention_bias, replicas)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
 
     def forward(self, x, positions, rotary: RotaryEmbedding, backend: AttentionBackend,
                 batch: ForwardBatch):
@@ -40,9 +47,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -65,12 +72,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        # weights come from the checkpoint: no random init (nn.Embedding's normal_ on the meta device
-        # imports torch._dynamo, 2-3 s of every start)
-        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # the rotary tables are no parameters: the loader builds them on the model's device

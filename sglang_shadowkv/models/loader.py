@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from sglang_shadowkv.distributed.parallel_state import single_rank
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
 
 from . import gguf_cache
@@ -59,6 +60,10 @@ def embedded_model_path() -> str:
 RANDOM_PRESETS = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                          num_kv_heads=8, head_dim=128, rope_theta=500000.0, context_length=131072),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                         num_kv_heads=8, head_dim=64, rope_theta=500000.0, context_length=131072),
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                          num_kv_heads=8, head_dim=128, rope_theta=500000.0, context_length=131072),
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                          num_kv_heads=3, head_dim=64, rope_theta=100000.0, context_length=8192),
 }
@@ -90,7 +95,10 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device 
     return LoadedModel(config, model, tokenizer, str(model_path or path))
 
 
-def _build(config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device) -> LlamaForCausalLM:
+def _build(config: ModelConfig, weights: dict, dtype, device) -> LlamaForCausalLM:
+    """The model on the device with the checkpoint's weights: under tensor parallelism each
+    parameter takes only this rank's slice (its layer's `shard`), and lazy weights (CheckpointTensor,
+    RandomTensor) make only that slice."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.to_empty(device=device)
@@ -98,16 +106,49 @@ def _build(config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device)
     missing = expected - set(weights) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing:
         raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
-    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     with torch.no_grad():
-        for name, tensor in weights.items():
-            if name in params:
-                params[name].data = tensor.to(device=device, dtype=dtype)
+        for name, param in model.named_parameters():
+            if name not in weights:  # lm_head.weight of tied embeddings
+                continue
+            owner = name.rpartition(".")[0]
+            shard = getattr(modules[owner], "shard", None)
+            source = weights[name]
+            tensor = shard(source) if shard is not None else _whole(source)
+            if tensor is None:  # a row-parallel bias off rank 0: added once, by rank 0
+                param.zero_()
+            elif tuple(tensor.shape) == tuple(param.shape):
+                # a copy of a slice: a view would keep the whole checkpoint tensor alive
+                param.data = tensor.to(device=device, dtype=dtype, copy=tensor._is_view())
+            else:  # the last vocabulary slice: padded rows stay zero
+                param.zero_()
+                param[:tensor.shape[0]].copy_(tensor)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length,
                                    config.rope_scaling).to(device)
     return model.eval()
+
+
+def _whole(source) -> torch.Tensor:
+    """A weight that is not split (norms): lazy sources are read whole."""
+    return source if isinstance(source, torch.Tensor) else source.narrow(0, 0, source.shape[0])
+
+
+class CheckpointTensor:
+    """A tensor of a safetensors file, read only when sliced (`narrow`): each rank of a tensor-
+    parallel group reads its own slice of every weight, never the whole checkpoint."""
+
+    def __init__(self, handle, key: str):
+        self.handle, self.key = handle, key
+        self.shape = tuple(handle.get_slice(key).get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self.handle.get_slice(self.key)[index]
 
 
 def _random_preset(model_path: str, dtype, device, context_length, tokenizer_path) -> LoadedModel:
@@ -130,17 +171,34 @@ def _random_preset(model_path: str, dtype, device, context_length, tokenizer_pat
 
 
 def random_model(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> LlamaForCausalLM:
-    """A model of the given shape with small random weights, made on the device (benchmarks)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    weights = {}
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            weights[name] = torch.ones(p.shape, device=device, dtype=dtype)
-        else:
-            weights[name] = torch.randn(p.shape, device=device, dtype=dtype, generator=gen) * 0.02
+    """A model of the given shape with small random weights, made on the device (benchmarks).
+    Each tensor is drawn whole from a seed of its own, whatever the tensor-parallel size, each rank
+    keeping its slice: TP=1 and TP=N hold the same model, and no rank holds more than one whole
+    tensor at a time."""
+    with single_rank(), torch.device("meta"):
+        full = LlamaForCausalLM(config)
+    weights = {name: RandomTensor(p.shape, name.endswith("norm.weight"), seed + i, dtype, device)
+               for i, (name, p) in enumerate(full.named_parameters())}
     return _build(config, weights, dtype, device)
+
+
+class RandomTensor:
+    """A random weight of a given shape, drawn when sliced (`narrow`): ones for norms, else
+    N(0, 0.02^2) from its own seed."""
+
+    def __init__(self, shape, ones: bool, seed: int, dtype, device):
+        self.shape, self.ones, self.seed, self.dtype, self.device = tuple(shape), ones, seed, dtype, device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if self.ones:
+            whole = torch.ones(self.shape, device=self.device, dtype=self.dtype)
+        else:
+            gen = torch.Generator(device=self.device).manual_seed(self.seed)
+            whole = torch.randn(self.shape, device=self.device, dtype=self.dtype, generator=gen).mul_(0.02)
+        return whole.narrow(dim, start, length).clone()
 
 
 # ---- GGUF -----------------------------------------------------------------------------------------
@@ -213,7 +271,7 @@ def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 # ---- Hugging Face folder --------------------------------------------------------------------------
 def _read_hf_folder(path: Path):
-    from safetensors.torch import load_file
+    from safetensors import safe_open
     from transformers import AutoTokenizer
 
     cfg = json.loads((path / "config.json").read_text())
@@ -227,9 +285,10 @@ def _read_hf_folder(path: Path):
     if not files:
         raise ValueError(f"no .safetensors files in {path}")
     weights = {}
-    for f in files:
-        for name, tensor in load_file(str(f)).items():
+    for f in files:  # a sharded checkpoint's files (model.safetensors.index.json) are all read so
+        handle = safe_open(str(f), framework="pt")
+        for name in handle.keys():
             if "rotary_emb" not in name:
-                weights[name.removeprefix("model.")] = tensor
+                weights[name.removeprefix("model.")] = CheckpointTensor(handle, name)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return config, weights, tokenizer

@@ -25,7 +25,7 @@ from sglang_shadowkv.model_executor.model_runner import ModelRunner
 from .compressed_stats import tier_stats
 from .compressed_tier import CompressedTier
 from .counters import CacheCounters
-from .integrity import check_pools
+from .integrity import accounting_digest, check_pools
 from .logprobs import prefix_match_limit
 from .request import Req
 
@@ -224,8 +224,20 @@ class CacheManager:
     # ---- numbers ------------------------------------------------------------------------------
     def check_integrity(self, running: list[Req]) -> None:
         """Raise RuntimeError naming what is wrong unless every page, compressed slot and row is
-        free or owned exactly once (mem_cache accounting; scheduler/integrity.py)."""
-        check_pools(self, running)
+        free or owned exactly once (mem_cache accounting; scheduler/integrity.py), and, under
+        tensor parallelism, every rank holds the same tree and pools (every rank raises)."""
+        try:
+            check_pools(self, running)
+            problem = None
+        except RuntimeError as err:
+            problem = str(err)
+        ranks = self.runner.tp.gather_objects((problem, accounting_digest(self, running)))
+        problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(ranks) if p is not None]
+        parted = [r for r, (_, digest) in enumerate(ranks) if digest != ranks[0][1]]
+        if parted:
+            problems.append(f"ranks {parted} hold a different radix tree or pool accounting from rank 0's")
+        if problems:
+            raise RuntimeError("; ".join(problems) if len(ranks) > 1 else problem)
 
     def memory_stats(self, running: list[Req]) -> dict:
         running_pages = sum(sum(isinstance(e, int) for e in r.pages[r.num_borrowed:]) for r in running)

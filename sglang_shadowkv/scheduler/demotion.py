@@ -15,7 +15,7 @@ request that matched the span meanwhile keeps reading it dense, and the swap wai
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -26,8 +26,6 @@ from .counters import DemotionCounters
 
 if TYPE_CHECKING:
     from sglang_shadowkv.layers.attention.shadowkv_backend import SpanCompression
-
-    from .compressed_tier import CompressedTier
 
 HEADROOM_SHARE = 0.1  # keep this share of the pool free (or promised to nobody) ahead of need
 TOKEN_LAYERS_PER_STEP = 32768  # demotion work per step: e.g. 2 layers of a 16K-token document
@@ -55,8 +53,25 @@ class DemotionJob:
         return self.segment.num_tokens
 
 
+class Tier(Protocol):
+    """What a demotion needs of the compressed tier (scheduler/compressed_tier.py): the tree,
+    pools and settings it works on, the model runner's backend that compresses, and three calls."""
+    tree: Any
+    pool: Any
+    store: Any
+    cfg: Any
+    page_size: int
+    runner: Any
+
+    def headroom(self) -> int: ...
+
+    def new_refs(self, seg: Segment) -> list: ...
+
+    def count_compression(self, seg: Segment, what: str) -> None: ...
+
+
 class Demoter:
-    def __init__(self, tier: "CompressedTier"):
+    def __init__(self, tier: Tier):
         self.tier, self.tree, self.pool, self.store = tier, tier.tree, tier.pool, tier.store
         self.cfg, self.page_size = tier.cfg, tier.page_size
         self.job: DemotionJob | None = None

@@ -10,21 +10,34 @@ segment) and the compressed pool itself (its null page). A compressed segment's 
 must equal the chunk references that the tree and the requests hold. Run by the scheduler
 whenever it goes idle with `--check-integrity` (tests turn it on), and by tests after random
 sequences of requests.
+
+Under tensor parallelism every rank must hold the same tree over the same page ids, with the same
+free lists: `accounting_digest` sums that up, and the scheduler compares the ranks' digests.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef
 
 if TYPE_CHECKING:
-    from .cache import CacheManager
     from .request import Req
 
 
-def check_pools(cache: "CacheManager", running: list["Req"]) -> None:
+class Pools(Protocol):
+    """What the check reads of the cache manager (scheduler/cache.py): its radix tree, dense page
+    pool, request table, the pages it promised to running requests and its compressed tier."""
+    tree: Any
+    pool: Any
+    table: Any
+    compressed: Any
+    reserved_pages: int
+
+
+def check_pools(cache: Pools, running: list["Req"]) -> None:
     """Raise RuntimeError listing every accounting error found (none: return)."""
     errors: list[str] = []
     tree_entries = list(cache.tree.entries())
@@ -61,7 +74,7 @@ def _check_once(errors: list[str], what: str, universe, free: list, held: list) 
         errors.append(f"{what} ids outside the pool: {strangers[:5]}")
 
 
-def _check_tree_counts(errors: list[str], cache: "CacheManager", entries: list) -> None:
+def _check_tree_counts(errors: list[str], cache: Pools, entries: list) -> None:
     dense = sum(isinstance(e, int) for e in entries)
     tree = cache.tree
     if (dense, len(entries) - dense) != (tree.total_pages, tree.total_chunks):
@@ -69,7 +82,7 @@ def _check_tree_counts(errors: list[str], cache: "CacheManager", entries: list) 
                       f"{dense} and {len(entries) - dense}")
 
 
-def _check_compressed(errors: list[str], cache: "CacheManager", tree_entries: list, owned: list,
+def _check_compressed(errors: list[str], cache: Pools, tree_entries: list, owned: list,
                       running: list["Req"]) -> None:
     tier = cache.compressed
     store, decoder = tier.store, tier.decoder
@@ -95,3 +108,22 @@ def _check_compressed(errors: list[str], cache: "CacheManager", tree_entries: li
                 [slot for s in segments for slot in s.host_slots])
     scratch = [r.shadowkv.scratch_row for r in running if r.shadowkv is not None]
     _check_once(errors, "scratch row", range(decoder.max_rows), decoder.free_row_ids(), scratch)
+
+
+def accounting_digest(cache: Pools, running: list["Req"]) -> str:
+    """A hash of what must be equal on every tensor-parallel rank: the radix tree (each node's
+    tokens, entries and lock count, dense page ids and compressed chunk references alike), the free
+    pages, rows and compressed slots, and the requests' pages and rows."""
+    h = hashlib.sha256()
+
+    def entry(e) -> tuple:
+        return ("c", e.segment.seg_id, e.index) if isinstance(e, ChunkRef) else ("p", e)
+
+    for node in sorted(cache.tree.nodes(), key=lambda n: (cache.tree.node_start(n), n.key)):
+        h.update(repr((node.key, [entry(e) for e in node.pages], node.lock_ref)).encode())
+    h.update(repr((sorted(cache.pool.free_ids()), sorted(cache.table.free_ids()), cache.reserved_pages)).encode())
+    for r in running:
+        h.update(repr((r.rid, r.pool_row, [entry(e) for e in r.pages])).encode())
+    if cache.compressed is not None:
+        h.update(repr(sorted(cache.compressed.store.free_ids().items())).encode())
+    return h.hexdigest()

@@ -14,6 +14,13 @@ from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.scheduler.logprobs import ReqLogprobs
 
 
+def valid_token_ids(input_ids: list, vocab_size: int) -> bool:
+    """Whether every id is an int (not a bool) in [0, vocab_size), checked by C-level builtins: a
+    Python test per token cost ~8 ms for a 128K-token prompt, in every request's time to first
+    token."""
+    return set(map(type, input_ids)) <= {int} and 0 <= min(input_ids) and max(input_ids) < vocab_size
+
+
 @dataclass
 class Req:
     rid: str

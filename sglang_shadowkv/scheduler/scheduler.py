@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple
-
 import torch
 
 from sglang_shadowkv.constrained import create_grammar_backend
@@ -36,50 +34,15 @@ from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.server_args import ServerArgs
 
 from .cache import CacheManager
-from .counters import Counters, DeviceStepTimer, StepClock, StepCounters, StepLog, merged
+from .counters import Counters, StepCounters, merged
 from .decode import DecodeManager, LaunchedStep, ReqUpdate
 from .logprobs import (LogprobOptions, ReqLogprobs, prompt_logit_rows, record_output_logprobs,
                        record_prompt_logprobs)
 from .prefill import PrefillManager
-from .request import Req
-from .server_info import server_info
-from .warmup import warm_up
+from .request import Req, valid_token_ids
+from .step_timing import StepTimes, step_detail
 
 logger = logging.getLogger(__name__)
-
-
-def valid_token_ids(input_ids: list, vocab_size: int) -> bool:
-    """Whether every id is an int (not a bool) in [0, vocab_size), checked by C-level builtins: a
-    Python test per token cost ~8 ms for a 128K-token prompt, in every request's time to first
-    token."""
-    return set(map(type, input_ids)) <= {int} and 0 <= min(input_ids) and max(input_ids) < vocab_size
-
-
-class LaunchRecord(NamedTuple):
-    """A launched step as the step clock and the step log book it once the next launch ends its time."""
-    kind: str
-    label: str
-    started: float
-    prompt_tokens: int
-    decode_rows: int
-    detail: dict | None  # the step log's fields (None: no step log)
-
-
-def step_kind(prompt_items: list[StepItem]) -> str:
-    """What a step's prompt chunks make it, for the step clock: decode_only (none), suffix (all
-    follow a compressed prefix: questions on compressed documents) or prefill."""
-    if not prompt_items:
-        return "decode_only"
-    compressed = all(it.over_compressed_prefix for it in prompt_items)
-    return "suffix" if compressed else "prefill"
-
-
-def step_label(kind: str, decode_items: list[StepItem], prompt_items: list[StepItem]) -> str:
-    """The step's kind with what else it held (StepClock): decodes beside prompt chunks, a prompt
-    compressing at its prefill (read before the launch, which settles the compression)."""
-    label = kind + ("+decode" if decode_items and prompt_items else "")
-    return label + ("+compress" if any(it.shadowkv is not None and it.shadowkv.compress_now
-                                        for it in prompt_items) else "")
 
 
 class Scheduler:
@@ -104,12 +67,9 @@ class Scheduler:
         self.decode = DecodeManager(self.cache, self.grammars, self.tokenizer, eos_ids, default_generator)
         self.overlap = not args.disable_overlap_schedule
         self.pending: LaunchedStep | None = None
-        self.step_clock = StepClock()
-        self.device_timer = DeviceStepTimer(self.step_clock, self.runner.device)
-        self.step_log = StepLog(args.step_log)
-        self._last_launch: LaunchRecord | None = None
-        if self.runner.device.type == "cuda" and not args.skip_server_warmup:
-            warm_up(self)
+        self.step_times = StepTimes(self.counters, self.runner.device, args.step_log)
+        self.step_clock, self.device_timer = self.step_times.clock, self.step_times.device_timer
+        self.startup_seconds = 0.0  # set by whoever started it, warmup included (managers/ranks.py)
 
     # ---- submission ---------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
@@ -159,11 +119,15 @@ class Scheduler:
         return bool(self.prefill.waiting or self.running or self.pending or self.grammars.pending)
 
     # ---- one step -----------------------------------------------------------------------------
-    def step(self) -> list[ReqUpdate]:
-        """Launch the next step, then process the one before it (see the module docstring)."""
+    def step(self, grammars_ready: list[str] | None = None) -> list[ReqUpdate]:
+        """Launch the next step, then process the one before it (see the module docstring).
+        grammars_ready: the rids whose grammar joins the queue now (default: those compiled;
+        tensor-parallel ranks take rank 0's, managers/rank_mirror.py)."""
         now = time.perf_counter()
-        self._time_last_launch(now)
-        ready, failed = self.grammars.take_ready(idle=not (self.prefill.waiting or self.running or self.pending))
+        self.step_times.book_last(now)
+        if grammars_ready is None:
+            grammars_ready = self.grammars_ready()
+        ready, failed = self.grammars.take(grammars_ready)
         for req in ready:
             self.prefill.add(req)
         self.prefill.rejected.extend(failed)
@@ -181,16 +145,10 @@ class Scheduler:
         items, reqs = decode_items + prefill_items, decode_reqs + prefill_reqs
         launched = None
         if items:
-            kind = step_kind(prefill_items)
-            self.counters.prefill_steps += kind != "decode_only"
-            self.counters.suffix_steps += kind == "suffix"
-            label = step_label(kind, decode_items, prefill_items)
-            self._last_launch = LaunchRecord(kind, label, now, sum(it.num_new for it in prefill_items),
-                                             len(decode_items),
-                                             self._step_detail(prefill_items, decode_items) if self.step_log.file else None)
-            started = self.device_timer.start()
-            launched = self._launch(items, reqs)
-            self.device_timer.stop(label, started)
+            queues = (len(self.prefill.waiting), len(self.prefill.prefilling), len(self.decode.running))
+            with self.step_times.launch(now, decode_items, prefill_items,
+                                        lambda: step_detail(self.cache, prefill_items, decode_items, queues)):
+                launched = self._launch(items, reqs)
         if self.pending is not None:
             updates += self.decode.process(self.pending)
         self.pending = launched
@@ -199,33 +157,9 @@ class Scheduler:
             self.pending = None
         return updates
 
-    def _time_last_launch(self, now: float) -> None:
-        """Book the time since the last launch to its kind of step and its label."""
-        last = self._last_launch
-        if last is not None:
-            ms = round(1000 * (now - last.started))
-            name = last.kind + "_step_ms"
-            setattr(self.counters, name, getattr(self.counters, name) + ms)
-            self.step_clock.book(last.label, ms, last.prompt_tokens, last.decode_rows)
-            if last.detail is not None:
-                self.step_log.write(last.started, last.label, ms, last.detail)
-        self._last_launch = None
-
-    def _step_detail(self, prefill_items: list[StepItem], decode_items: list[StepItem]) -> dict:
-        """What the step log says of a step besides its label and time (see StepLog)."""
-        chunks = [[it.start, it.num_new, it.over_compressed_prefix] for it in prefill_items]
-        cache, tier = self.cache, self.cache.compressed
-        detail = {"chunks": chunks, "decode_rows": len(decode_items), "waiting": len(self.prefill.waiting),
-                  "prefilling": len(self.prefill.prefilling), "decoding": len(self.decode.running),
-                  "pages": {"unused": cache.pool.num_unused, "lent": cache.pool.lent,
-                            "reserved": cache.reserved_pages, "cached": cache.tree.evictable_pages}}
-        if tier is not None:  # cumulative: a drop between two lines is a segment's GPU values given back
-            detail["gpu_values"] = [tier.counters.gpu_value_loads, tier.counters.gpu_value_drops]
-            sparse = [it.shadowkv.layout for it in decode_items if it.over_compressed_prefix]
-            # decode rows over compressed chunks, and those of them whose values all sit in HBM (the
-            # rest gather their missed chunks' values over PCIe)
-            detail["sparse_rows"] = [len(sparse), sum(all(seg.value_pages for seg in lay.segments) for lay in sparse)]
-        return detail
+    def grammars_ready(self) -> list[str]:
+        """The rids whose grammar has compiled (failed ones too), waiting a moment when idle."""
+        return self.grammars.ready(idle=not (self.prefill.waiting or self.running or self.pending))
 
     def _launch(self, items: list[StepItem], reqs: list[Req]) -> LaunchedStep:
         """Queue the forward pass and the sampling; book what the step does to each request."""
@@ -263,6 +197,7 @@ class Scheduler:
         tokens, logprobs = sample(sampled_logits, [self.decode.sampling_row(r) for r in sampled],
                                   self.grammars.vocab_mask(sampled),
                                   with_logprobs=any(r.logprob is not None for r in sampled))
+        tokens = self.runner.tp.broadcast_from_leader(tokens)  # every rank goes on with rank 0's tokens
         if logprobs is not None:
             record_output_logprobs(sampled, sampled_logits, tokens.tolist(), logprobs.tolist())
         table_rows = to_device(torch.tensor([r.pool_row for r in sampled]), self.runner.device)
@@ -287,7 +222,7 @@ class Scheduler:
     def run_when_idle(self) -> None:
         """Each time the scheduler goes idle: finish a demotion under way (nothing decodes to be
         slowed), and with --check-integrity check the pool accounting."""
-        self._time_last_launch(time.perf_counter())  # the last step's time ends here, not at the next request
+        self.step_times.book_last(time.perf_counter())  # the last step's time ends here, not at the next request
         self.device_timer.collect()
         self.cache.maintain(idle=True)
         if self.args.check_integrity:
@@ -309,6 +244,3 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         """Every counter, flat (server_info's "stats")."""
         return merged(*self.counter_sets)
-
-    def server_info(self) -> dict:
-        return server_info(self)

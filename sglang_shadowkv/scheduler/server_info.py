@@ -1,8 +1,10 @@
 """What /get_server_info reports of a scheduler: the model and device, memory and capacity, the
-counters, ShadowKV's compressed state, and how steps ran (graphs, overlap)."""
+counters, ShadowKV's compressed state, how steps ran (graphs, overlap), and under tensor
+parallelism each rank's device, memory and start-up time (every rank runs this together)."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,8 @@ def server_info(scheduler: "Scheduler") -> dict:
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "context_length": runner.context_length,
+        "tp_size": runner.tp.size,
+        "ranks": runner.tp.gather_objects(rank_info(scheduler)),
         "memory": scheduler.cache.memory_stats(running),
         "allocator": allocator_stats(runner.device),
         "capacity": capacity(scheduler),
@@ -37,6 +41,19 @@ def server_info(scheduler: "Scheduler") -> dict:
         "waiting_requests": len(scheduler.prefill.waiting),
         "time": time.time(),
     }
+
+
+def rank_info(scheduler: "Scheduler") -> dict:
+    """This rank's device, what it holds (weights: its share; the KV pool; on a GPU what torch's
+    allocator holds in all) and how long it took to start."""
+    runner = scheduler.runner
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    info = {"rank": runner.tp.rank, "pid": os.getpid(), "device": str(runner.device), "weight_bytes": weights,
+            "kv_pool_bytes": runner.pool.capacity * runner.pool.page_size * runner.pool.bytes_per_token,
+            "startup_seconds": round(scheduler.startup_seconds, 2)}
+    if runner.device.type == "cuda":
+        info["reserved_bytes"] = torch.cuda.memory_reserved(runner.device)
+    return info
 
 
 def allocator_stats(device) -> dict:

@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 def warm_up(scheduler: "Scheduler") -> None:
     """A short prompt; with ShadowKV also a document long enough to be compressed (compressed at
     its prefill whatever the policy), then a question of two 64-query tiles over it (the sparse
-    suffix prefill) and its sparse decode. The cache and the counters are left as they were."""
+    suffix prefill) and its sparse decode. The cache and the counters are left as they were.
+    Every tensor-parallel rank runs the same steps."""
     saved = [(counters, counters.as_dict()) for counters in [*scheduler.counter_sets, scheduler.step_clock]]
     vocab, context = scheduler.vocab_size, scheduler.context_length
     low = min(1000, vocab // 4)
