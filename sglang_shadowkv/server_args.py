@@ -18,6 +18,7 @@ from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 ATTENTION_MODES = ("full", "shadowkv", "streamingllm", "snapkv")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("hrrn", "fcfs")
+WRITE_POLICIES = ("write_through", "write_back")  # --hicache-write-policy (mem_cache/host_kv_pool.py)
 SHADOWKV_PREFIX = "shadowkv_"
 
 
@@ -73,6 +74,16 @@ class ServerArgs:
                                    "slot and request row is free or owned exactly once (debugging; on in tests)")
     step_log: str | None = _field(None, "append one JSON line per scheduler step to this file (when it launched, "
                                   "what it held, its wall time, the queues): a timeline of where serving time went")
+    enable_hierarchical_cache: bool = _field(False, "a host tier for dense KV (SGLang's HiCache): pages evicted "
+                                             "from the GPU pool go to page-locked host memory instead of being "
+                                             "dropped, and a request that matches them has them loaded back, layer "
+                                             "by layer beside its first step, instead of prefilled again")
+    hicache_ratio: float = _field(2.0, "the host tier's size as a multiple of the GPU KV pool (capped at 90% of "
+                                  "the host memory available)")
+    hicache_size: int = _field(0, "the host tier's size in GB per rank; overrides --hicache-ratio when above 0")
+    hicache_write_policy: str = _field("write_through", "write_through: copy each page to the host when the radix "
+                                       "cache takes it (an eviction then moves no data); write_back: copy it when "
+                                       "it is evicted")
     random_seed: int = _field(0, "seed of the sampling of requests without their own seed")
     host: str = _field("127.0.0.1", "address the HTTP server listens on")
     port: int = _field(30000, "port the HTTP server listens on")
@@ -129,6 +140,12 @@ class ServerArgs:
         if self.tp_size > 1 and self.attention in ("streamingllm", "snapkv"):
             raise ValueError(f"attention={self.attention!r} (an accuracy baseline) runs on one rank; got tp_size="
                              f"{self.tp_size}")
+        if not (isinstance(self.hicache_ratio, (int, float)) and self.hicache_ratio > 0):
+            raise ValueError(f"hicache_ratio must be positive, got {self.hicache_ratio!r}")
+        if not (isinstance(self.hicache_size, int) and self.hicache_size >= 0):
+            raise ValueError(f"hicache_size must be a whole number of GB, 0 or more, got {self.hicache_size!r}")
+        if self.hicache_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, got {self.hicache_write_policy!r}")
         if not self.watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be positive, got {self.watchdog_timeout}")
         for name in ("cuda_graph_max_bs", "context_length", "max_total_tokens", "chunked_prefill_size"):

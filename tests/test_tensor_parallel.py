@@ -67,8 +67,9 @@ def test_a_model_that_does_not_split_is_refused_naming_what(tiny_model_path):
 
 def test_requests_and_aborts_keep_every_ranks_cache_identical(tiny_model_path):
     """A random workload driven step by step through rank 0's mirrored scheduler (requests sharing
-    prefixes, aborts mid-prefill and mid-decode): the integrity check compares both ranks' trees
-    and pools each time the scheduler goes idle; a page leaked on one rank alone is caught."""
+    prefixes, aborts mid-prefill and mid-decode; ShadowKV and a host tier): the integrity check
+    compares both ranks' trees and pools each time the scheduler goes idle; a page leaked on one
+    rank alone is caught."""
     import random
 
     from sglang_shadowkv import Engine
@@ -76,7 +77,8 @@ def test_requests_and_aborts_keep_every_ranks_cache_identical(tiny_model_path):
 
     rng = random.Random(0)
     doc, _ = _document_and_questions()
-    with Engine(model_path=tiny_model_path, tp_size=2, check_integrity=True, **SHADOWKV) as engine:
+    with Engine(model_path=tiny_model_path, tp_size=2, check_integrity=True, enable_hierarchical_cache=True,
+                **{**SHADOWKV, "max_total_tokens": 2048}) as engine:
         sched = engine.scheduler
         for round_ in range(3):
             rids = []
@@ -94,6 +96,7 @@ def test_requests_and_aborts_keep_every_ranks_cache_identical(tiny_model_path):
             while sched.has_work:
                 sched.step()
             sched.run_when_idle()  # raises if a rank's accounting is off or the ranks differ
+        assert engine.get_server_info()["stats"]["host_stored_bytes"] > 0
         leaked = sched.scheduler.pool.alloc(1)  # on rank 0 only
         with pytest.raises(RuntimeError, match=r"rank 0: pool accounting is broken.*ranks \[1\] hold a different"):
             sched.run_when_idle()

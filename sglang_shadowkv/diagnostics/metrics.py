@@ -134,6 +134,16 @@ class SchedulerStateCollector(Collector):
                 stats.get("dense_prefix_hits", 0))
         counter("sglang_shadowkv:reprefilled_tokens", "Prompt tokens prefilled again after the cache dropped them.",
                 stats.get("reprefilled_tokens", 0))
+        if "host_total_pages" in mem:  # --enable-hierarchical-cache
+            for name, doc in (("host_hit_tokens", "Prompt tokens loaded back from the host tier instead of prefilled."),
+                              ("host_loaded_bytes", "Bytes loaded from the host tier into the GPU pool."),
+                              ("host_load_ms", "Host milliseconds spent issuing host-tier loads."),
+                              ("host_stored_bytes", "Bytes copied from the GPU pool into the host tier."),
+                              ("host_evicted_tokens", "Tokens dropped from the host tier (or flushed).")):
+                counter(f"sglang_shadowkv:{name}", doc, stats.get(name, 0))
+            gauge("sglang_shadowkv:host_used_pages", "Host tier pages in use (documents and write-through copies).",
+                  mem["host_total_pages"] - mem["host_free_pages"])
+            gauge("sglang_shadowkv:host_total_pages", "Pages the host tier holds.", mem["host_total_pages"])
         skv = info.get("shadowkv")
         if skv is not None:
             pools, tiers, cache = skv["pools"], skv["tiers"], skv["chunk_cache"]

@@ -37,6 +37,8 @@ class PagedKVPool:
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
         self.lent = 0  # pages lent out (lend), counted as free
         self.reclaim: Callable[[int], None] | None = None  # gives back at least n lent pages (give_back)
+        # run before a step writes (then reads) a layer's KV: the host tier's loads (host_kv_pool.py)
+        self.before_layer: Callable[[int], None] | None = None
 
     @property
     def capacity(self) -> int:
@@ -92,6 +94,8 @@ class PagedKVPool:
         return taken[::-1]
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.before_layer is not None:
+            self.before_layer(layer)
         self.k_buffers[layer][slots] = k
         self.v_buffers[layer][slots] = v
 

@@ -1,15 +1,19 @@
 """Page-aligned radix tree from token prefixes to the KV that holds them.
 
 Every node's span is a whole number of pages and it keeps one *entry* per page: a dense KV page
-id (an int), or a reference to the compressed chunk that holds those tokens (any other object:
-a ShadowKV ChunkRef, when page size = chunk size). A matched prefix is an entry list a new
-request can use as is, and a split always falls on a page boundary, so a compressed span split in
-two is two views of one segment. Nodes on a running request's path are locked; eviction releases
-unlocked leaves, dense ones first, each kind in least-recently-used order (compressed state is
-dropped last: DESIGN.md §3), and a node's dense entries can be replaced by compressed ones
-(`replace_entries`, a demotion). The tree knows nothing of models: it hands released entries to
-`release`, which says how many pages that freed, and tells `on_evictable` (if given) whenever
-entries start or stop being evictable.
+id (an int), a page held in the host tier (a HostPage), or a reference to the compressed chunk
+that holds those tokens (any other object: a ShadowKV ChunkRef, when page size = chunk size). A
+matched prefix is an entry list a new request can use once its host pages are loaded back, and a
+split always falls on a page boundary, so a compressed span split in two is two views of one
+segment. Nodes on a running request's path are locked. Eviction frees GPU memory from the
+unlocked nodes that hold it with no such node below them, dense ones first, each kind in
+least-recently-used order (compressed state is dropped last: DESIGN.md §3): with a host tier
+(`offload`) a dense node's pages move to host memory and the node stays; otherwise, or when the
+host tier has no room, the node is dropped with what hangs below it. The host tier makes its own
+room by dropping its least recently used leaves (`evict_host`). A node's entries can be replaced
+(`replace_entries`: a demotion to compressed chunks, a load back from the host). The tree knows
+nothing of models: it hands released entries to `release`, which says how many GPU pages that
+freed, and tells `on_evictable` (if given) whenever entries start or stop being evictable.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
+from .host_kv_pool import HostPage
 
 DROPPED_SPANS_KEPT = 4096
 
@@ -49,12 +54,16 @@ class PrefixMatch:
 
 class RadixCache:
     def __init__(self, page_size: int, release: Callable[[list], int | None],
-                 on_evictable: Callable[[list, int], None] | None = None):
-        """release(entries): frees them, returns the pages freed (None: one per dense entry).
-        on_evictable(entries, +1 / -1): entries became evictable (unlocked, in the tree) or stopped."""
+                 on_evictable: Callable[[list, int], None] | None = None,
+                 offload: Callable[[list], list | None] | None = None):
+        """release(entries): frees them, returns the GPU pages freed (None: one per dense entry).
+        on_evictable(entries, +1 / -1): entries became evictable (unlocked, in the tree) or stopped.
+        offload(dense entries): the host tier's entries for them, their GPU pages freed (None: no
+        room; the node is then dropped)."""
         self.page_size = page_size
         self._release = release
         self._on_evictable = on_evictable
+        self._offload = offload
         self._clock = itertools.count(1)
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
@@ -62,18 +71,24 @@ class RadixCache:
         self.evictable_pages = 0
         self.total_chunks = 0  # compressed chunk entries
         self.evictable_chunks = 0
+        self.total_host = 0  # host tier entries
+        self.evictable_host = 0
         # spans evicted lately, by (position, first page's tokens): their length (re-prefill counting)
         self._dropped: OrderedDict[tuple, int] = OrderedDict()
 
     def _count(self, entries: list, sign: int, evictable: bool = True, total: bool = True) -> None:
-        pages = sum(isinstance(e, int) for e in entries)
+        pages = sum(type(e) is int for e in entries)
+        host = sum(type(e) is HostPage for e in entries)
+        chunks = len(entries) - pages - host
         if total:
             self.total_pages += sign * pages
-            self.total_chunks += sign * (len(entries) - pages)
+            self.total_chunks += sign * chunks
+            self.total_host += sign * host
         if evictable:
             self.evictable_pages += sign * pages
-            self.evictable_chunks += sign * (len(entries) - pages)
-            if self._on_evictable is not None and pages < len(entries):
+            self.evictable_chunks += sign * chunks
+            self.evictable_host += sign * host
+            if self._on_evictable is not None and chunks:
                 self._on_evictable(entries, sign)
 
     # ---- lookup -------------------------------------------------------------------------------
@@ -177,25 +192,92 @@ class RadixCache:
 
     # ---- eviction -----------------------------------------------------------------------------
     def evict(self, num_pages: int, num_chunks: int = 0) -> int:
-        """Release unlocked leaves until num_pages pages are freed and num_chunks compressed chunk
-        entries released (or nothing is left): dense leaves first, oldest first, then leaves holding
-        compressed entries. Returns the pages freed."""
-        heap = [self._evict_key(n) for n in self._leaves() if n.lock_ref == 0]
+        """Free GPU memory until num_pages pages are freed and num_chunks compressed chunk entries
+        released (or nothing is left): from the unlocked nodes holding GPU entries with none
+        below them, dense ones first, oldest first, then those holding compressed entries. A
+        dense node's pages go to the host tier if it takes them; else the node is dropped with
+        its host-only descendants. Returns the GPU pages freed."""
+        heap = [self._evict_key(n) for n in self._gpu_frontier()]
         heapq.heapify(heap)
         freed = chunks = 0
         while (freed < num_pages or chunks < num_chunks) and heap:
             *_, node = heapq.heappop(heap)
-            self._remember_dropped(node)
-            dense = sum(isinstance(e, int) for e in node.pages)
-            self._count(node.pages, -1)
-            released = self._release(node.pages)
-            freed += dense if released is None else released
-            chunks += len(node.pages) - dense
+            if node.parent is None or node.lock_ref:  # dropped or locked meanwhile (the host tier's room)
+                continue
+            dense = sum(type(e) is int for e in node.pages)
+            host = self._offload(node.pages) if self._offload is not None and dense == len(node.pages) else None
             parent = node.parent
-            del parent.children[node.key[:self.page_size]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if host is not None:
+                self.replace_entries(node, host)
+                freed += dense
+            else:
+                released, dropped_chunks = self._drop_subtree(node)
+                freed += released
+                chunks += dropped_chunks
+            if parent is not self.root and self._on_frontier(parent):
                 heapq.heappush(heap, self._evict_key(parent))
         return freed
+
+    def evict_host(self, num_pages: int) -> int:
+        """Drop the host tier's least recently used unlocked leaves until num_pages host entries
+        are released (or none is left); returns how many were."""
+        heap = [(n.last_access, id(n), n) for n in self._leaves()
+                if n.lock_ref == 0 and n.pages and all(type(e) is HostPage for e in n.pages)]
+        heapq.heapify(heap)
+        dropped = 0
+        while dropped < num_pages and heap:
+            *_, node = heapq.heappop(heap)
+            parent = node.parent
+            dropped += len(node.pages)
+            self._drop_subtree(node)
+            if (parent is not self.root and not parent.children and parent.lock_ref == 0 and parent.pages
+                    and all(type(e) is HostPage for e in parent.pages)):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return dropped
+
+    def _drop_subtree(self, node: TreeNode) -> tuple[int, int]:
+        """Remove node and everything below it (host-only nodes, when node is on the GPU frontier);
+        returns (GPU pages freed, compressed entries released)."""
+        freed = chunks = 0
+        for below in [node, *self._descendants(node)]:
+            self._remember_dropped(below)
+            dense = sum(type(e) is int for e in below.pages)
+            compressed = sum(type(e) is not int and type(e) is not HostPage for e in below.pages)
+            self._count(below.pages, -1, evictable=below.lock_ref == 0)
+            released = self._release(below.pages)
+            freed += dense if released is None else released
+            chunks += compressed
+        del node.parent.children[node.key[:self.page_size]]
+        node.parent = None
+        return freed, chunks
+
+    def _descendants(self, node: TreeNode) -> list[TreeNode]:
+        out, stack = [], list(node.children.values())
+        while stack:
+            below = stack.pop()
+            out.append(below)
+            stack.extend(below.children.values())
+        return out
+
+    def _gpu_frontier(self) -> list[TreeNode]:
+        """Unlocked nodes holding GPU entries (dense or compressed) with no such node below them."""
+        frontier = []
+
+        def walk(node: TreeNode) -> bool:  # whether node's subtree holds GPU entries
+            below = False
+            for child in list(node.children.values()):
+                below |= walk(child)
+            mine = _holds_gpu(node)
+            if mine and not below and node.lock_ref == 0 and node is not self.root:
+                frontier.append(node)
+            return mine or below
+
+        walk(self.root)
+        return frontier
+
+    def _on_frontier(self, node: TreeNode) -> bool:
+        return (node.lock_ref == 0 and _holds_gpu(node)
+                and not any(_holds_gpu(n) for n in self._descendants(node)))
 
     def _remember_dropped(self, node: TreeNode) -> None:
         self._dropped[(self.node_start(node), node.key[:self.page_size])] = len(node.key)
@@ -209,7 +291,7 @@ class RadixCache:
 
     @staticmethod
     def _evict_key(node: TreeNode) -> tuple:
-        compressed = any(not isinstance(e, int) for e in node.pages)
+        compressed = any(type(e) is not int for e in node.pages)
         return compressed, node.last_access, id(node), node
 
     # ---- demotion -----------------------------------------------------------------------------
@@ -248,11 +330,13 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def flush(self) -> bool:
-        """Drop every cached page; refused (False) while any request holds a lock. The root
-        stays: a request that matched nothing holds it, and unlocks it when it ends."""
-        if self.evictable_pages != self.total_pages or self.evictable_chunks != self.total_chunks:
+        """Drop every cached page, host tier included; refused (False) while any request holds a
+        lock. The root stays: a request that matched nothing holds it, and unlocks it when it ends."""
+        if (self.evictable_pages, self.evictable_chunks, self.evictable_host) != (
+                self.total_pages, self.total_chunks, self.total_host):
             return False
-        self.evict(self.total_pages, self.total_chunks)
+        for child in list(self.root.children.values()):
+            self._drop_subtree(child)
         self._dropped.clear()  # flushed, not lost to memory pressure
         return True
 
@@ -260,9 +344,14 @@ class RadixCache:
         return (node for node in self.nodes() if not node.children)
 
     def entries(self):
-        """Every entry the tree holds: dense page ids and compressed chunk references."""
+        """Every entry the tree holds: dense page ids, host pages and compressed chunk references."""
         for node in self.nodes():
             yield from node.pages
 
     def num_nodes(self) -> int:
         return sum(1 for _ in self.nodes())
+
+
+def _holds_gpu(node: TreeNode) -> bool:
+    """Whether a node holds GPU memory: dense pages or compressed chunks (not host pages only)."""
+    return any(type(e) is not HostPage for e in node.pages)

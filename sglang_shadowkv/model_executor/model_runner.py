@@ -13,6 +13,7 @@ from sglang_shadowkv.layers.attention import ForwardBatch, create_attention_back
 from sglang_shadowkv.layers.attention.eviction_backend import (
     EVICTION_POLICIES, EvictionAttentionBackend, make_eviction_policy)
 from sglang_shadowkv.layers.attention.shadowkv_backend import ShadowKVAttentionBackend
+from sglang_shadowkv.mem_cache.host_kv_pool import HostKVPool
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
 from sglang_shadowkv.mem_cache.compressed_layout import host_bytes_per_chunk
 from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
@@ -93,6 +94,7 @@ class ModelRunner:
         self.compressed_pool = self.decoder = None
         if self.shadowkv_config is not None:
             self._build_shadowkv(args.max_running_requests)
+        self.host_pool = self._build_host_tier(args) if args.enable_hierarchical_cache else None
         self.req_to_token = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
         # each request's last sampled token (by request-to-token row): its next decode step's input
         self.next_input = torch.zeros(args.max_running_requests + 1, dtype=torch.long, device=self.device)
@@ -150,6 +152,19 @@ class ModelRunner:
         all ranks, or their caches, evictions and demotions would part."""
         plan.pool_tokens, plan.host_chunks = self.tp.min_over_ranks(plan.pool_tokens, plan.host_chunks)
         return plan
+
+    def _build_host_tier(self, args: ServerArgs) -> HostKVPool:
+        """--enable-hierarchical-cache: --hicache-size GB, else --hicache-ratio times the GPU pool,
+        at most 90% of the host memory still available (after ShadowKV's host values)."""
+        page_bytes = self.pool.bytes_per_token * self.pool.page_size
+        want = args.hicache_size * 2**30 // page_bytes if args.hicache_size else int(args.hicache_ratio * self.pool.capacity)
+        can = int(0.9 * available_host_bytes()) // page_bytes
+        pages = self.tp.min_over_ranks(min(want, can))[0]
+        if pages < want:
+            logger.warning("host tier: %d pages asked for, %d fit the host memory available", want, pages)
+        host = HostKVPool(self.pool, pages, args.hicache_write_policy)
+        logger.info("host tier: %d pages (%.1f GiB), %s", pages, pages * page_bytes / 2**30, args.hicache_write_policy)
+        return host
 
     def _build_shadowkv(self, max_running_requests: int) -> None:
         cfg, skv = self.config, self.shadowkv_config

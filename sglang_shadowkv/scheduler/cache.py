@@ -11,14 +11,20 @@ leaves the rest of its whole pages there too.
 With overlap scheduling a request may be released while a step that still writes its last token's
 K/V is queued on the device; that is safe because every later use of a released page is queued on
 the same stream, after that write.
+
+With --enable-hierarchical-cache the radix cache has a host tier (mem_cache/host_kv_pool.py):
+pages it evicts move to host memory instead of being dropped, and a request that matches them
+has them loaded back at admission, into pages of its reservation, layer by layer beside its
+first step.
 """
 
 from __future__ import annotations
 
 import math
 
+from sglang_shadowkv.mem_cache.host_kv_pool import HostPage
 from sglang_shadowkv.mem_cache.kv_pool import PoolExhaustedError
-from sglang_shadowkv.mem_cache.radix_cache import RadixCache
+from sglang_shadowkv.mem_cache.radix_cache import PrefixMatch, RadixCache
 from sglang_shadowkv.model_executor.forward_batch import StepItem
 from sglang_shadowkv.model_executor.model_runner import ModelRunner
 
@@ -35,9 +41,11 @@ class CacheManager:
         self.runner, self.pool, self.page_size = runner, runner.pool, page_size
         self.table = runner.req_to_token
         shadowkv = runner.shadowkv_config is not None
+        self.host = runner.host_pool  # the host tier (None without --enable-hierarchical-cache)
         self.tree = RadixCache(page_size, self._release_entries,
                                on_evictable=(lambda entries, sign: self.compressed.on_evictable(entries, sign))
-                               if shadowkv else None)
+                               if shadowkv else None,
+                               offload=self._offload if self.host is not None else None)
         self.reserved_pages = 0
         # pages the request admission last turned away needs, ShadowKV's segment and scratch row
         # included: what a demotion must free for it
@@ -46,10 +54,48 @@ class CacheManager:
         self.compressed = CompressedTier(runner, self.tree, page_size, self.headroom) if shadowkv else None
 
     def _release_entries(self, entries: list) -> int:
+        if self.host is not None:
+            entries = self.host.release_entries(entries)
         if self.compressed is not None:
             return self.compressed.release_entries(entries)
         self.pool.free(entries)
         return len(entries)
+
+    def _offload(self, pages: list[int]) -> list[HostPage] | None:
+        """The tree's offload hook: move a node's dense pages to the host tier, making room there
+        by dropping its least recently used documents; None when it cannot hold them."""
+        missing = sum(p not in self.host.backups for p in pages) - self.host.num_free
+        if missing > 0:
+            self.tree.evict_host(missing)
+        entries = self.host.store(pages)
+        if entries is not None:
+            self._release_entries(pages)  # (their backups, if any, became the host entries)
+        return entries
+
+    def _back_up(self, entries: list) -> None:
+        """write_through: the dense pages the tree just took get their host copy now."""
+        if self.host is not None and self.host.write_policy == "write_through":
+            self.host.backup([e for e in entries if type(e) is int])
+
+    def _load_from_host(self, match: PrefixMatch, need: int) -> bool:
+        """Bring the matched prefix's host pages back into GPU pages (False: the pool cannot
+        take them and the request's own need, nothing done). The path's nodes then hold them
+        dense, and the request reads them as it reads any cached page."""
+        host = [i for i, e in enumerate(match.pages) if type(e) is HostPage]
+        if len(host) + need > self.available_pages():
+            return False
+        self.make_room(len(host))
+        pages = self.pool.alloc(len(host))
+        self.host.load([match.pages[i] for i in host], pages)
+        loaded = dict(zip(host, pages))
+        at = 0
+        for node in _path(match.node):
+            if any(type(e) is HostPage for e in node.pages):
+                self.tree.replace_entries(node, [loaded[at + j] for j in range(len(node.pages))])
+            at += len(node.pages)
+        match.pages = [loaded.get(i, e) for i, e in enumerate(match.pages)]
+        self.host.counters.host_hit_tokens += len(host) * self.page_size
+        return True
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
@@ -80,6 +126,10 @@ class CacheManager:
         match = self.tree.match_prefix(req.input_ids[:prefix_match_limit(req)])
         self.tree.lock(match.node)
         need = self.pages_for(req.max_total_len) - len(match.pages)
+        if self.host is not None and not self._load_from_host(match, need):
+            self.tree.unlock(match.node)
+            self.turned_away_need = need + sum(type(e) is HostPage for e in match.pages)
+            return False
         plan = None if self.compressed is None else self.compressed.plan(req, match.pages, long_demand)
         extra = 0 if plan is None else plan.extra_pages
         if need + extra > self.available_pages() or self.table.num_free == 0 or self._wait_for_demotion(need + extra):
@@ -185,6 +235,7 @@ class CacheManager:
         tokens = req.input_ids[:whole * self.page_size]
         present = self.tree.insert(tokens, req.pages[:whole])
         req.duplicate_entries += req.pages[req.num_borrowed:present]  # cached meanwhile by another request
+        self._back_up(req.pages[max(present, req.num_borrowed):whole])
         node = self.tree.match_prefix(tokens).node
         self.tree.lock(node)
         self.tree.unlock(req.last_node)
@@ -199,6 +250,7 @@ class CacheManager:
         whole = req.num_computed // self.page_size
         tokens = req.all_ids[:whole * self.page_size]
         present = self.tree.insert(tokens, req.pages[:whole])
+        self._back_up(req.pages[max(present, req.num_borrowed):whole])
         duplicates = req.duplicate_entries + req.pages[req.num_borrowed:present]  # cached meanwhile by another request
         req.duplicate_entries = []
         self._release_entries(duplicates + req.pages[whole:])
@@ -263,7 +315,20 @@ class CacheManager:
             "reserved_pages": self.reserved_pages,
             "kv_bytes_per_token": self.pool.bytes_per_token,
             "radix_nodes": self.tree.num_nodes(),
+            **({} if self.host is None else {
+                "host_total_pages": self.host.num_pages, "host_free_pages": self.host.num_free,
+                "host_tree_pages": self.tree.total_host,  # documents (parts) held only on the host
+                "host_backup_pages": len(self.host.backups)}),  # host copies of dense tree pages (write_through)
         }
 
     def shadowkv_stats(self, running: list[Req]) -> dict | None:
         return None if self.compressed is None else tier_stats(self.compressed, running)
+
+
+def _path(node) -> list:
+    """The nodes from the root's child down to node."""
+    path = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    return path[::-1]

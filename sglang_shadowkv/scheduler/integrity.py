@@ -22,6 +22,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef
+from sglang_shadowkv.mem_cache.host_kv_pool import HostPage
 
 if TYPE_CHECKING:
     from .request import Req
@@ -29,11 +30,13 @@ if TYPE_CHECKING:
 
 class Pools(Protocol):
     """What the check reads of the cache manager (scheduler/cache.py): its radix tree, dense page
-    pool, request table, the pages it promised to running requests and its compressed tier."""
+    pool, request table, the pages it promised to running requests, its compressed tier and its
+    host tier."""
     tree: Any
     pool: Any
     table: Any
     compressed: Any
+    host: Any
     reserved_pages: int
 
 
@@ -56,6 +59,8 @@ def check_pools(cache: Pools, running: list["Req"]) -> None:
     _check_once(errors, "request row", range(cache.table.padding_row), cache.table.free_ids(), rows)
     if cache.compressed is not None:
         _check_compressed(errors, cache, tree_entries, owned, running)
+    if cache.host is not None:
+        _check_host(errors, cache.host, tree_entries)
     if errors:
         raise RuntimeError("pool accounting is broken: " + "; ".join(errors))
 
@@ -75,11 +80,21 @@ def _check_once(errors: list[str], what: str, universe, free: list, held: list) 
 
 
 def _check_tree_counts(errors: list[str], cache: Pools, entries: list) -> None:
-    dense = sum(isinstance(e, int) for e in entries)
+    dense = sum(type(e) is int for e in entries)
+    host = sum(type(e) is HostPage for e in entries)
     tree = cache.tree
-    if (dense, len(entries) - dense) != (tree.total_pages, tree.total_chunks):
-        errors.append(f"radix tree counts {tree.total_pages} pages and {tree.total_chunks} chunks but holds "
-                      f"{dense} and {len(entries) - dense}")
+    if (dense, len(entries) - dense - host, host) != (tree.total_pages, tree.total_chunks, tree.total_host):
+        errors.append(f"radix tree counts {tree.total_pages} pages, {tree.total_chunks} chunks and "
+                      f"{tree.total_host} host pages but holds {dense}, {len(entries) - dense - host} and {host}")
+
+
+def _check_host(errors: list[str], host, tree_entries: list) -> None:
+    """Every host page is free, a tree entry, or the copy of a dense page the tree holds."""
+    held = [e.id for e in tree_entries if type(e) is HostPage] + list(host.backups.values())
+    _check_once(errors, "host page", range(host.num_pages), host.free_ids(), held)
+    strays = set(host.backups) - {e for e in tree_entries if type(e) is int}
+    if strays:
+        errors.append(f"{len(strays)} host copies of pages the radix tree does not hold, e.g. {sorted(strays)[:5]}")
 
 
 def _check_compressed(errors: list[str], cache: Pools, tree_entries: list, owned: list,
@@ -117,7 +132,9 @@ def accounting_digest(cache: Pools, running: list["Req"]) -> str:
     h = hashlib.sha256()
 
     def entry(e) -> tuple:
-        return ("c", e.segment.seg_id, e.index) if isinstance(e, ChunkRef) else ("p", e)
+        if isinstance(e, ChunkRef):
+            return ("c", e.segment.seg_id, e.index)
+        return ("h", e.id) if type(e) is HostPage else ("p", e)
 
     for node in sorted(cache.tree.nodes(), key=lambda n: (cache.tree.node_start(n), n.key)):
         h.update(repr((node.key, [entry(e) for e in node.pages], node.lock_ref)).encode())
@@ -126,4 +143,6 @@ def accounting_digest(cache: Pools, running: list["Req"]) -> str:
         h.update(repr((r.rid, r.pool_row, [entry(e) for e in r.pages])).encode())
     if cache.compressed is not None:
         h.update(repr(sorted(cache.compressed.store.free_ids().items())).encode())
+    if cache.host is not None:
+        h.update(repr((cache.host.free_ids(), sorted(cache.host.backups.items()))).encode())
     return h.hexdigest()

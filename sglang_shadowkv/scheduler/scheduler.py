@@ -236,9 +236,10 @@ class Scheduler:
 
     @property
     def counter_sets(self) -> list[Counters]:
-        """The counters of the scheduler, the cache and its compressed tier."""
-        tier = self.cache.compressed
-        return [self.counters, self.cache.counters] + ([] if tier is None else [tier.counters])
+        """The counters of the scheduler, the cache, its compressed tier and its host tier."""
+        tier, host = self.cache.compressed, self.cache.host
+        return ([self.counters, self.cache.counters] + ([] if tier is None else [tier.counters])
+                + ([] if host is None else [host.counters]))
 
     @property
     def stats(self) -> dict[str, int]:

@@ -1,0 +1,180 @@
+"""The host tier of dense KV (SGLang's HiCache): pages evicted from the GPU pool go to page-locked
+host memory instead of being dropped, and a prefix match on them loads them back.
+
+The pool holds whole pages, laid out like the GPU pool's ([pages, page_size x Hkv x D] per layer,
+K and V), so a page moves in one block (kernels/copy_pages.py). A radix-tree entry of a page held
+here is a HostPage. Copies run in order on one side stream, each after the work the compute stream queued before it:
+- a store (GPU -> host) reads pages whose K/V the compute stream wrote, and the compute stream
+  waits for it before it reuses the pages;
+- a load (host -> GPU) runs layer by layer; each layer's pages are ready at its event, and the GPU
+  pool's `before_layer` hook makes the forward pass wait for that layer only (the first layers
+  compute while the last ones still cross PCIe).
+Write policies (SGLang's names): `write_back` copies a page when it is evicted from the GPU;
+`write_through` copies each page when the radix tree takes it (a backup, kept while the page stays
+in the tree), so an eviction moves no data, and a loaded page keeps its host copy as its backup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sglang_shadowkv.kernels.copy_pages import copy_pages, copy_pages_reference
+
+from .host_memory import PinnedHostTensor
+from .kv_pool import PagedKVPool, to_device
+
+
+
+class HostPage:
+    """A radix-tree entry: one page of KV held in the host tier, page `id` of its pool."""
+    __slots__ = ("id",)
+
+    def __init__(self, page_id: int):
+        self.id = page_id
+
+    def __repr__(self) -> str:
+        return f"HostPage({self.id})"
+
+
+@dataclass
+class HostTierCounters:
+    """The host tier's (server_info "stats", Prometheus)."""
+    host_hit_tokens: int = 0  # prompt tokens a request found in the host tier (loaded, not prefilled)
+    host_loaded_bytes: int = 0
+    host_load_ms: int = 0  # host time spent issuing loads (on a GPU the copies themselves overlap the forward)
+    host_stored_bytes: int = 0
+    host_evicted_tokens: int = 0  # tokens dropped from the host tier or flushed (a prefill to get them back)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+    def restore(self, snapshot: dict[str, int]) -> None:
+        self.__dict__.update(snapshot)
+
+
+class HostKVPool:
+    def __init__(self, gpu_pool: PagedKVPool, num_pages: int, write_policy: str = "write_through"):
+        if num_pages < 1:
+            raise ValueError(f"the host tier needs at least one page, got {num_pages}")
+        self.gpu_pool, self.write_policy, self.num_pages = gpu_pool, write_policy, num_pages
+        k = gpu_pool.k_buffers[0]
+        self.page_numel = gpu_pool.page_size * k.shape[1] * k.shape[2]
+        self.bytes_per_page = 2 * len(gpu_pool.k_buffers) * self.page_numel * k.element_size()
+        self.on_gpu = gpu_pool.device.type == "cuda"
+        shape = (2, len(gpu_pool.k_buffers), num_pages, self.page_numel)
+        self._memory = PinnedHostTensor(shape, k.dtype) if self.on_gpu else None
+        self.buffers = self._memory.tensor if self.on_gpu else torch.zeros(shape, dtype=k.dtype)
+        self._free = list(range(num_pages - 1, -1, -1))
+        self.backups: dict[int, int] = {}  # write_through: GPU page -> its host copy
+        self.counters = HostTierCounters()
+        self._stream = torch.cuda.Stream(gpu_pool.device) if self.on_gpu else None
+        self._layer_ready: list | None = None  # the last load's event per layer
+        gpu_pool.before_layer = self.wait_layer
+
+    # ---- pages --------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def free_ids(self) -> list[int]:
+        """The free host pages (a copy; for accounting checks)."""
+        return list(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        taken = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        return taken[::-1]
+
+    def free(self, ids: list[int]) -> None:
+        self._free.extend(ids)
+
+    def release_entries(self, entries: list) -> list:
+        """Free the host pages among tree entries, and the backups of the GPU pages among them
+        (those leave the tree); returns the other entries, for their own owners."""
+        host = [e.id for e in entries if type(e) is HostPage]
+        self.counters.host_evicted_tokens += len(host) * self.gpu_pool.page_size
+        self.free(host + [self.backups.pop(e) for e in entries if type(e) is int and e in self.backups])
+        return [e for e in entries if type(e) is not HostPage]
+
+    # ---- moving pages -------------------------------------------------------------------------
+    def backup(self, gpu_pages: list[int]) -> None:
+        """write_through: copy the pages the tree just took that have no host copy yet (as far as
+        free host pages go: a page without one is copied when it is evicted)."""
+        todo = [p for p in gpu_pages if p not in self.backups][:len(self._free)]
+        if todo:
+            host = self.alloc(len(todo))
+            self._copy_to_host(todo, host, wait_after=False)
+            self.backups.update(zip(todo, host))
+
+    def store(self, gpu_pages: list[int]) -> list[HostPage] | None:
+        """The host entries of GPU pages leaving the GPU (None: too few free host pages). Pages
+        with a backup move no data; the compute stream waits for the others' copy before it
+        reuses their pages."""
+        todo = [p for p in gpu_pages if p not in self.backups]
+        if len(todo) > len(self._free):
+            return None
+        host = dict(zip(todo, self.alloc(len(todo)) or []))
+        if todo:
+            self._copy_to_host(todo, [host[p] for p in todo], wait_after=True)
+        for p in gpu_pages:
+            if p in self.backups:
+                host[p] = self.backups.pop(p)
+        return [HostPage(host[p]) for p in gpu_pages]
+
+    def load(self, entries: list[HostPage], gpu_pages: list[int]) -> None:
+        """Copy host pages back into (just allocated) GPU pages, layer by layer. With write_through
+        each keeps its host copy as the backup of its new GPU page; else the host page is freed."""
+        started = time.perf_counter()
+        host = [e.id for e in entries]
+        self._copy(host, gpu_pages, to_host=False)
+        if self.write_policy == "write_through":
+            self.backups.update(zip(gpu_pages, host))
+        else:
+            self.free(host)  # reused only by copies queued after this one, on the same stream
+        self.counters.host_loaded_bytes += len(host) * self.bytes_per_page
+        self.counters.host_load_ms += round(1000 * (time.perf_counter() - started))
+
+    def _copy_to_host(self, gpu_pages: list[int], host: list[int], wait_after: bool) -> None:
+        self._copy(gpu_pages, host, to_host=True)
+        self.counters.host_stored_bytes += len(host) * self.bytes_per_page
+        if wait_after and self.on_gpu:
+            torch.cuda.current_stream(self.gpu_pool.device).wait_stream(self._stream)
+
+    def _copy(self, src_pages: list[int], dst_pages: list[int], to_host: bool) -> None:
+        """Every layer's K and V pages from one pool to the other; loads record a ready event per
+        layer. A copy waits for the compute stream first: a store reads pages it wrote, a load
+        writes pages it may have used before they were freed."""
+        gpu = self.gpu_pool
+        pages = [to_device(torch.tensor(p, dtype=torch.int64), gpu.device) for p in (src_pages, dst_pages)]
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(gpu.device))
+        events = []
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for layer, gpu_buffers in enumerate(zip(gpu.k_buffers, gpu.v_buffers)):
+                for side, buffer in enumerate(gpu_buffers):
+                    gpu_view, host_view = buffer.view(-1, self.page_numel), self.buffers[side, layer]
+                    src, dst = (gpu_view, host_view) if to_host else (host_view, gpu_view)
+                    (copy_pages if self.on_gpu else copy_pages_reference)(src, pages[0], dst, pages[1])
+                if stream is not None and not to_host:
+                    events.append(torch.cuda.Event())
+                    events[-1].record(stream)
+        if events:
+            self._layer_ready = events
+
+    def wait_layer(self, layer: int) -> None:
+        """The GPU pool's before_layer hook: the current stream waits for the last load's pages
+        of this layer (a no-op once they are known to be there)."""
+        ready = self._layer_ready
+        if ready is None or torch.cuda.is_current_stream_capturing():  # (a graph never reads a loading page)
+            return
+        torch.cuda.current_stream(self.gpu_pool.device).wait_event(ready[layer])
+        if layer == len(ready) - 1 and ready[-1].query():
+            self._layer_ready = None
+

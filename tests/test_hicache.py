@@ -1,0 +1,138 @@
+"""The host tier of dense KV (--enable-hierarchical-cache): pages evicted from the GPU pool move to
+host memory and come back on a hit, exactly, without a prefill; its accounting holds under any
+sequence of requests, aborts, evictions and flushes."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sglang_shadowkv import Engine
+from sglang_shadowkv.diagnostics.metrics import ServerMetrics
+from sglang_shadowkv.kernels.copy_pages import copy_pages, copy_pages_reference
+from sglang_shadowkv.sampling_params import SamplingParams
+from test_metrics import samples
+
+GREEDY = {"max_new_tokens": 4, "temperature": 0}
+QUESTION = [5, 6, 7, 8]
+SMALL = dict(max_total_tokens=1024, chunked_prefill_size=512, check_integrity=True, enable_hierarchical_cache=True)
+
+
+def document(i: int, tokens: int = 300) -> list[int]:
+    return [(7 * t + 13 * i) % 500 + 2 for t in range(tokens)]
+
+
+@pytest.mark.parametrize("pages,src_n,dst_n,numel", [(5, 9, 7, 24), (40, 50, 60, 1100)])
+def test_copy_pages_matches_its_reference(pages, src_n, dst_n, numel):
+    g = torch.Generator().manual_seed(pages)
+    src = torch.randn(src_n, numel, generator=g)
+    src_pages = torch.randperm(src_n, generator=g)[:pages]
+    dst_pages = torch.randperm(dst_n, generator=g)[:pages]
+    want = copy_pages_reference(src, src_pages, torch.zeros(dst_n, numel), dst_pages)
+    got = copy_pages(src, src_pages, torch.zeros(dst_n, numel), dst_pages)
+    assert torch.equal(got, want) and torch.equal(got[dst_pages], src[src_pages])
+    with pytest.raises(ValueError, match="source pages"):
+        copy_pages(src, src_pages, torch.zeros(dst_n, numel), dst_pages[:-1])
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_documents_evicted_to_the_host_come_back_exact_without_a_prefill(tiny_model_path, policy):
+    """Six documents where the GPU pool holds about three: the second round finds each in the
+    host tier (loaded, not prefilled: only the questions are) and answers as the first did."""
+    with Engine(model_path=tiny_model_path, hicache_write_policy=policy, **SMALL) as engine:
+        cold = [engine.generate(input_ids=document(d) + QUESTION, sampling_params=GREEDY)["output_ids"]
+                for d in range(6)]
+        before = engine.get_server_info()["stats"]
+        hits = engine.generate(input_ids=[document(d) + QUESTION for d in range(6)][::-1], sampling_params=GREEDY)
+        info = engine.get_server_info()
+        stats = info["stats"]
+        assert [h["output_ids"] for h in hits][::-1] == cold
+        assert all(h["meta_info"]["cached_tokens"] == 296 for h in hits)  # whole pages
+        assert stats["prefill_tokens"] - before["prefill_tokens"] == 6 * (300 - 296 + len(QUESTION))
+        assert stats["host_hit_tokens"] - before["host_hit_tokens"] >= 3 * 296  # the ones the GPU had let go
+        assert stats["reprefilled_tokens"] == 0 and stats["host_loaded_bytes"] > 0
+        mem = info["memory"]
+        assert mem["host_total_pages"] == 2 * mem["total_pages"]  # --hicache-ratio 2
+        if policy == "write_through":  # every page the tree holds has its copy: evictions move nothing
+            assert mem["host_backup_pages"] == mem["tree_pages"]
+        got = samples(ServerMetrics("tiny").render(info).decode())
+        assert got["sglang_shadowkv:host_hit_tokens_total"] == stats["host_hit_tokens"]
+        assert got["sglang_shadowkv:host_used_pages"] == mem["host_total_pages"] - mem["host_free_pages"] > 0
+        assert engine.flush_cache()
+        mem = engine.get_server_info()["memory"]
+        assert mem["host_free_pages"] == mem["host_total_pages"] and mem["tree_pages"] == 0
+
+
+def test_a_full_host_tier_drops_its_least_recently_used_documents(tiny_model_path):
+    with Engine(model_path=tiny_model_path, hicache_size=0, hicache_ratio=0.4, **SMALL) as engine:
+        for d in range(6):
+            engine.generate(input_ids=document(d) + QUESTION, sampling_params=GREEDY)
+        stats = engine.get_server_info()["stats"]
+        assert stats["host_evicted_tokens"] > 0
+        first = engine.generate(input_ids=document(0) + QUESTION, sampling_params=GREEDY)  # dropped long ago
+        assert first["meta_info"]["cached_tokens"] == 0
+        assert engine.get_server_info()["stats"]["reprefilled_tokens"] >= 296
+
+
+def test_shadowkv_mode_takes_the_host_tier_too(tiny_model_path):
+    with Engine(model_path=tiny_model_path, attention="shadowkv", shadowkv_min_context=512,
+                shadowkv_host_tokens=8192, **{**SMALL, "max_total_tokens": 2048}) as engine:
+        docs = [document(d, 700) + QUESTION for d in range(5)]
+        cold = [engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] for ids in docs]
+        hits = [engine.generate(input_ids=ids, sampling_params=GREEDY) for ids in docs]
+        assert [h["output_ids"] for h in hits] == cold
+        assert engine.get_server_info()["stats"]["host_hit_tokens"] > 0
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["doc", "doc", "short", "step", "step", "abort", "flush", "evict"]),
+                         st.integers(0, 5), st.integers(1, 8)), min_size=4, max_size=30)
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_model_path):
+    """About two documents on the GPU and three more on the host."""
+    with Engine(model_path=tiny_model_path, hicache_ratio=1.0, **{**SMALL, "max_total_tokens": 700}) as engine:
+        yield engine
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(OPS)
+def test_host_accounting_holds_after_any_sequence(tight, ops):
+    """Requests on six documents (offloaded, loaded back, dropped from the host), partial steps,
+    aborts mid-prefill or mid-decode, flushes and evictions: after each, every GPU page, host page
+    and row is free or owned exactly once."""
+    sched = tight.scheduler
+    n = 0
+    for op, doc, count in ops:
+        if op in ("doc", "short"):
+            ids = document(doc) + QUESTION[:count % 4 + 1] if op == "doc" else QUESTION * count
+            sched.add_request(f"h{n}", ids, SamplingParams(max_new_tokens=count, ignore_eos=True))
+            n += 1
+        elif op == "step":
+            for _ in range(count):
+                sched.step()
+        elif op == "abort" and sched.running:
+            sched.abort(sched.running[count % len(sched.running)].rid)
+        elif op == "flush":
+            sched.flush_cache()
+        elif op == "evict" and not sched.running:
+            sched.cache.make_room(sched.pool.capacity)
+        sched.cache.check_integrity(sched.running)
+    while sched.has_work:
+        sched.step()
+        sched.cache.check_integrity(sched.running)
+    sched.run_when_idle()
+    assert sched.flush_cache()
+    sched.cache.check_integrity([])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(hicache_ratio=0), "hicache_ratio must be positive"),
+    (dict(hicache_size=-1), "hicache_size must be a whole number of GB"),
+    (dict(hicache_write_policy="sometimes"), "hicache_write_policy must be one of"),
+])
+def test_bad_host_tier_flags_are_refused_naming_them(flags, message):
+    from sglang_shadowkv.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(enable_hierarchical_cache=True, **flags)
