@@ -5,12 +5,11 @@ sequence of requests, aborts, evictions and flushes."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from sglang_shadowkv import Engine
 from sglang_shadowkv.diagnostics.metrics import ServerMetrics
 from sglang_shadowkv.kernels.copy_pages import copy_pages, copy_pages_reference
-from sglang_shadowkv.sampling_params import SamplingParams
+from cache_ops import OPS, run_ops
 from test_metrics import samples
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0}
@@ -84,10 +83,6 @@ def test_shadowkv_mode_takes_the_host_tier_too(tiny_model_path):
         assert engine.get_server_info()["stats"]["host_hit_tokens"] > 0
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["doc", "doc", "short", "step", "step", "abort", "flush", "evict"]),
-                         st.integers(0, 5), st.integers(1, 8)), min_size=4, max_size=30)
-
-
 @pytest.fixture(scope="module")
 def tight(tiny_model_path):
     """About two documents on the GPU and three more on the host."""
@@ -101,29 +96,8 @@ def test_host_accounting_holds_after_any_sequence(tight, ops):
     """Requests on six documents (offloaded, loaded back, dropped from the host), partial steps,
     aborts mid-prefill or mid-decode, flushes and evictions: after each, every GPU page, host page
     and row is free or owned exactly once."""
-    sched = tight.scheduler
-    n = 0
-    for op, doc, count in ops:
-        if op in ("doc", "short"):
-            ids = document(doc) + QUESTION[:count % 4 + 1] if op == "doc" else QUESTION * count
-            sched.add_request(f"h{n}", ids, SamplingParams(max_new_tokens=count, ignore_eos=True))
-            n += 1
-        elif op == "step":
-            for _ in range(count):
-                sched.step()
-        elif op == "abort" and sched.running:
-            sched.abort(sched.running[count % len(sched.running)].rid)
-        elif op == "flush":
-            sched.flush_cache()
-        elif op == "evict" and not sched.running:
-            sched.cache.make_room(sched.pool.capacity)
-        sched.cache.check_integrity(sched.running)
-    while sched.has_work:
-        sched.step()
-        sched.cache.check_integrity(sched.running)
-    sched.run_when_idle()
-    assert sched.flush_cache()
-    sched.cache.check_integrity([])
+    run_ops(tight.scheduler, ops, lambda op, doc, count: document(doc) + QUESTION[:count % 4 + 1] if op == "doc"
+            else QUESTION * count)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -6,12 +6,12 @@ aborts and evictions. On the tiny random model (rank 8: four chunks a page), so 
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from sglang_shadowkv import Engine
 from sglang_shadowkv.sampling_params import SamplingParams
 from sglang_shadowkv.scheduler import demotion
 from sglang_shadowkv.scheduler.compressed_tier import EAGER_SHARE
+from cache_ops import OPS, run_ops
 
 DOC_TOKENS = 600
 TIER = dict(attention="shadowkv", shadowkv_min_context=256, shadowkv_local_window=16, shadowkv_rank_cap=8,
@@ -164,10 +164,6 @@ def test_a_document_is_compressed_at_prefill_when_running_compressed_requests_ho
         assert tier.counters.compressed_requests == before + 1  # alone it stays dense
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["doc", "doc", "doc", "short", "step", "step", "abort", "flush", "evict"]),
-                         st.integers(0, 5), st.integers(1, 8)), min_size=4, max_size=30)
-
-
 @pytest.fixture(scope="module")
 def tiny_tight(tiny_model_path):
     """Two of the documents dense at most: most sequences demote."""
@@ -181,30 +177,8 @@ def test_pool_accounting_holds_after_any_sequence(tiny_tight, ops):
     """Requests on six documents (some demoted, some hit dense or compressed), partial steps,
     aborts mid-prefill or mid-decode, flushes and evictions: after each, every page, compressed
     slot, segment and row is free or owned exactly once."""
-    sched = tiny_tight.scheduler
-    n = 0
-    for op, doc, count in ops:
-        if op in ("doc", "short"):
-            ids = document(doc) + question(count) if op == "doc" else question(count)
-            sched.add_request(f"p{n}", ids, SamplingParams(max_new_tokens=count, ignore_eos=True))
-            n += 1
-        elif op == "step":
-            for _ in range(count):
-                sched.step()
-        elif op == "abort" and sched.running:
-            sched.abort(sched.running[count % len(sched.running)].rid)
-        elif op == "flush":
-            sched.flush_cache()
-        elif op == "evict" and not sched.running:
-            sched.cache.make_room(sched.pool.capacity)
-        sched.cache.check_integrity(sched.running)
-    while sched.has_work:
-        sched.step()
-        sched.cache.check_integrity(sched.running)
-    sched.run_when_idle()
-    sched.cache.check_integrity(sched.running)
-    assert sched.flush_cache()
-    sched.cache.check_integrity([])
+    run_ops(tiny_tight.scheduler, ops, lambda op, doc, count: document(doc) + question(count) if op == "doc"
+            else question(count))
 
 
 def test_demotion_waits_for_readers_and_survives_aborts_flushes_and_evictions(tiny_tight, monkeypatch):

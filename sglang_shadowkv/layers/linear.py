@@ -62,7 +62,10 @@ class RowParallelLinear(nn.Linear):
         return self.tp.all_reduce(super().forward(x))
 
 
-class VocabParallelEmbedding(nn.Module):
+class _VocabParallel(nn.Module):
+    """Rows [start, start + rows) of a [vocab, hidden] weight: the vocabulary padded to a multiple
+    of the ranks, split in order."""
+
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         tp = get_tp()
@@ -74,8 +77,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
-        return _vocab_slice(full, self.start, self.rows)
+        """As far as the vocabulary goes (the loader leaves the last slice's padding rows zero)."""
+        return full.narrow(0, self.start, max(0, min(self.rows, full.shape[0] - self.start)))
 
+
+class VocabParallelEmbedding(_VocabParallel):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
@@ -85,29 +91,12 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(_VocabParallel):
     """Logits of the whole vocabulary on every rank (sampling runs on each), from each rank's
     slice of the rows; may share its weight with the embedding (tied)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__()
-        tp = get_tp()
-        self.tp, self.vocab_size = tp, vocab_size
-        self.rows = vocab_shard_size(vocab_size, tp.size)
-        self.start = tp.rank * self.rows
-        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        return _vocab_slice(full, self.start, self.rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.weight)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last_dim(logits)[..., :self.vocab_size]
-
-
-def _vocab_slice(full: torch.Tensor, start: int, rows: int) -> torch.Tensor:
-    """Rows [start, start + rows) of a [vocab, hidden] tensor, as far as the vocabulary goes (the
-    loader leaves the padding rows of the last slice zero)."""
-    return full.narrow(0, start, max(0, min(rows, full.shape[0] - start)))
