@@ -129,14 +129,15 @@ def _pool_with_segments(gen, chunk_size, hkv, head_dim, rank, chunks=(5, 9, 3)):
 
 
 @pytest.mark.parametrize("ranked", [False, True])
-@pytest.mark.parametrize("chunk_size,rank,hkv,head_dim", [(8, 30, 3, 32), (8, 64, 2, 32), (4, 17, 3, 32),
-                                                          (16, 40, 2, 64)])
-def test_rebuild_keys(chunk_size, rank, hkv, head_dim, ranked):
+@pytest.mark.parametrize("chunk_size,rank,hkv,head_dim,rotary_dim", [(8, 30, 3, 32, 32), (8, 64, 2, 32, 16),
+                                                                     (4, 17, 3, 32, 32), (16, 40, 2, 64, 64)])
+def test_rebuild_keys(chunk_size, rank, hkv, head_dim, rotary_dim, ranked):
     """Kernel against reference on the pool's own layout (low-rank rows split between a slot's K
-    and V shares, bases in pages), and the reference against RoPE of rows times basis."""
+    and V shares, bases in pages), and the reference against RoPE of rows times basis; with
+    partial rotary the unrotated dims of a rebuilt key are those of rows times basis."""
     gen = torch.Generator().manual_seed(chunk_size * 100 + rank)
     store, segs = _pool_with_segments(gen, chunk_size, hkv, head_dim, rank)
-    rotary = RotaryEmbedding(head_dim, 10000.0, 2048).to(DEVICE)
+    rotary = RotaryEmbedding(head_dim, 10000.0, 2048, rotary_dim=rotary_dim).to(DEVICE)
     slots = torch.cat([seg.chunk_slots for seg in segs]).cpu()
     batch, entries = 3, 6
     picks = torch.stack([slots[torch.randperm(len(slots), generator=gen)[:entries]] for _ in range(batch * hkv)])
@@ -178,6 +179,8 @@ def test_rebuild_keys(chunk_size, rank, hkv, head_dim, ranked):
         pos = torch.arange(int(store.chunk_pos[slot]), int(store.chunk_pos[slot]) + chunk_size, device=DEVICE)
         block = int(table[int(rows[b]), e]) * hkv + h
         torch.testing.assert_close(want[block], rotary.apply(pre, pos)[:, h], rtol=1e-4, atol=1e-4)
+        unrotated = _unrotated_dims(head_dim, rotary_dim)
+        torch.testing.assert_close(want[block][:, unrotated], pre[:, h, unrotated], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -453,11 +456,13 @@ def test_chunk_stats_rejects_a_partial_chunk():
         chunk_stats(torch.zeros(10, 1, 16, device=DEVICE), 8)
 
 
-@pytest.mark.parametrize("tokens,heads,head_dim", [(70, 3, 64), (5, 1, 32), (130, 2, 48)])
+@pytest.mark.parametrize("tokens,heads,head_dim,rotary_dim", [(70, 3, 64, 64), (5, 1, 32, 32), (130, 2, 48, 48),
+                                                               (40, 2, 64, 32)])
 @pytest.mark.parametrize("inverse", [False, True])
-def test_rotate(tokens, heads, head_dim, inverse):
+def test_rotate(tokens, heads, head_dim, rotary_dim, inverse):
+    """With partial rotary (GLM: half of each head) the unrotated dims pass through bit for bit."""
     gen = torch.Generator().manual_seed(tokens * 10 + head_dim + inverse)
-    rotary = RotaryEmbedding(head_dim, 10000.0, 4096)
+    rotary = RotaryEmbedding(head_dim, 10000.0, 4096, rotary_dim=rotary_dim)
     x = torch.randn(tokens, heads, head_dim, generator=gen).to(torch.bfloat16)
     pos = torch.randint(0, 4096, (tokens,), generator=gen)
     args = [t.to(DEVICE) for t in (x, rotary.cos_cache, rotary.sin_cache, pos)]
@@ -468,6 +473,15 @@ def test_rotate(tokens, heads, head_dim, inverse):
     back = rotate(got, *args[1:], inverse=not inverse)  # the inverse undoes the rotation
     torch.testing.assert_close(back, x.float().to(DEVICE), rtol=TOL, atol=TOL)
     assert rotate(*args).dtype == torch.bfloat16
+    unrotated = _unrotated_dims(head_dim, rotary_dim)
+    for out in (got, want):
+        assert torch.equal(out[..., unrotated], x.float().to(DEVICE)[..., unrotated])
+
+
+def _unrotated_dims(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The dims partial rotary leaves: table columns rotary_dim/2 .. head_dim/2 of each half."""
+    half = torch.arange(rotary_dim // 2, head_dim // 2)
+    return torch.cat([half, half + head_dim // 2])
 
 
 @pytest.mark.parametrize("k", [5, 16, 40])
