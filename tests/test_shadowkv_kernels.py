@@ -1,4 +1,5 @@
-"""ShadowKV kernels against their torch references on fresh random inputs (interpreter on CPU)."""
+"""ShadowKV kernels against their torch references on fresh random inputs (interpreter on CPU); head
+dims of 48 stand for those that are no power of two (Phi-3: 96)."""
 
 import functools
 
@@ -33,7 +34,7 @@ def _jobs(gen, batch, heads, entries, num_slots, hit_fraction=0.3):
 
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 3, 8])
-@pytest.mark.parametrize("head_dim,num_chunks", [(32, 37), (64, 70), (64, 5)])
+@pytest.mark.parametrize("head_dim,num_chunks", [(32, 37), (64, 70), (48, 5)])
 def test_landmark_logits(group, head_dim, num_chunks, int8):
     gen = torch.Generator().manual_seed(group * 1000 + num_chunks + int8)
     batch, hkv, slots = 3, 2, 200
@@ -59,10 +60,10 @@ def test_landmark_logits(group, head_dim, num_chunks, int8):
 
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("queries", [3, 20])  # a tile shorter than a query block, and over one
-@pytest.mark.parametrize("num_chunks,int8", [(37, False), (150, True)])
-def test_tile_landmark_mass(group, queries, num_chunks, int8):
+@pytest.mark.parametrize("num_chunks,int8,head_dim", [(37, False, 32), (150, True, 48)])
+def test_tile_landmark_mass(group, queries, num_chunks, int8, head_dim):
     gen = torch.Generator().manual_seed(group * 100 + queries + num_chunks)
-    tiles, hkv, slots, head_dim = 3, 2, 200, 32
+    tiles, hkv, slots = 3, 2, 200
     q = torch.randn(tiles, queries, hkv * group, head_dim, generator=gen)
     q_valid = torch.ones(tiles, queries, dtype=torch.bool)
     q_valid[1, queries // 2:] = False  # a padded tile
@@ -130,7 +131,7 @@ def _pool_with_segments(gen, chunk_size, hkv, head_dim, rank, chunks=(5, 9, 3)):
 
 @pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("chunk_size,rank,hkv,head_dim,rotary_dim", [(8, 30, 3, 32, 32), (8, 64, 2, 32, 16),
-                                                                     (4, 17, 3, 32, 32), (16, 40, 2, 64, 64)])
+                                                                     (4, 17, 3, 48, 48), (16, 40, 2, 64, 64)])
 def test_rebuild_keys(chunk_size, rank, hkv, head_dim, rotary_dim, ranked):
     """Kernel against reference on the pool's own layout (low-rank rows split between a slot's K
     and V shares, bases in pages), and the reference against RoPE of rows times basis; with
@@ -258,7 +259,7 @@ def test_gather_values_reads_resident_chunks_from_the_gpu_copy(int8):
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-@pytest.mark.parametrize("chunk_size,head_dim", [(8, 64), (4, 32)])
+@pytest.mark.parametrize("chunk_size,head_dim", [(8, 64), (4, 48)])
 @pytest.mark.parametrize("queries", [1, 5, 20])  # per request: a decode query, or a suffix tile's
 @pytest.mark.parametrize("splits", [1, 3, 16])  # each program's keys split among 3 (16: the most) programs, merged
 def test_sparse_decode_attention(group, chunk_size, head_dim, queries, splits):
@@ -571,7 +572,7 @@ def test_select_decode_chunks(num_chunks, group, adaptive):
     assert torch.equal(gated_hist, want_hist) and gated_hist[rows[2:].long()].sum() == 0
 
 
-@pytest.mark.parametrize("chunk_size,head_dim", [(8, 128), (4, 32), (3, 16)])
+@pytest.mark.parametrize("chunk_size,head_dim", [(8, 128), (4, 48), (3, 16)])
 def test_quantize_chunks(chunk_size, head_dim):
     """The one-pass int8 host format equals the torch path's bit for bit: values, ties rounded to
     even, scales; from a strided token-major view (the dense pool's), with an all-zero chunk."""
