@@ -22,7 +22,7 @@ def _random_case(gen, group, head_dim, q_lens, extra_kv, pool_slots=512, dtype=t
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 8])
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 48, 64])  # 48: no power of two (Phi-3: 96)
 def test_ragged_attention_matches_reference(group, head_dim):
     gen = torch.Generator().manual_seed(group * 100 + head_dim)
     # decode rows, a prefill chunk over a prefix, a whole prompt, lengths not multiples of blocks
@@ -50,13 +50,6 @@ def test_reference_is_causal_softmax():
         s = torch.einsum("hd,khd->hk", q[j], kk[:visible]) * 0.25
         want = torch.einsum("hk,khd->hd", s.softmax(-1), vv[:visible])
         torch.testing.assert_close(out[j], want, rtol=1e-5, atol=1e-5)
-
-
-def test_rejects_non_power_of_two_head_dim():
-    gen = torch.Generator().manual_seed(0)
-    case = _random_case(gen, 1, 24, [2], [0])
-    with pytest.raises(ValueError, match="head_dim"):
-        ragged_paged_attention(*case, 0.2)
 
 
 def test_page_table_matches_slot_layout():

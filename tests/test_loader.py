@@ -1,5 +1,6 @@
-"""Hugging Face folders (Llama with llama3 rope scaling, Qwen2 with QKV bias) load into our model
-and give the same logits as transformers' own modeling code."""
+"""Hugging Face folders of every family (tests/tiny_model.py) load into our model and give the same
+logits as transformers' own modeling code, past every rope switch point; sharded checkpoints load;
+a GGUF file's conversion is cached."""
 
 import pytest
 import torch
@@ -7,40 +8,52 @@ import torch
 from sglang_shadowkv.layers.attention import ForwardBatch, create_attention_backend
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
 from sglang_shadowkv.models.loader import load_model
-from tiny_model import save_tokenizer, tiny_config
+from tiny_model import FAMILIES, ORIGINAL_POSITIONS, save_tiny, tiny_model
+
+ARCHITECTURES = {"llama": "llama", "yi": "llama", "qwen2": "qwen2", "qwen2.5-yarn": "qwen2", "qwen3": "qwen3",
+                 "glm": "glm", "glm4": "glm4", "phi3": "phi3"}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_hf_folder_logits_match_transformers(kind, tmp_path):
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = tiny_config(kind)
-    cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.Qwen2ForCausalLM
-    ref = cls(cfg).eval()
-    if kind == "qwen2":  # make the QKV biases matter
-        for layer in ref.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
-    ref.save_pretrained(tmp_path)
-    save_tokenizer(tmp_path)
-
-    loaded = load_model(str(tmp_path), torch.float32, "cpu")
-    assert loaded.config.architecture == kind
-    assert loaded.config.attention_bias == (kind == "qwen2")
-    assert loaded.tokenizer.eos_token == "t1"
-    c = loaded.config
-    n = 150  # past original_max_position_embeddings, where llama3 scaling matters
-    ids = torch.randint(0, 512, (n,))
+def _logits(loaded, ids: torch.Tensor) -> torch.Tensor:
+    """Our model's logits of every position of one prompt, attended by the torch backend."""
+    c, n = loaded.config, len(ids)
     pool = PagedKVPool(n // 8 + 2, 8, c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
     slots = pool.slots_of_pages(pool.alloc(n // 8 + 1), n)
     indptr = torch.tensor([0, n], dtype=torch.int32)
     batch = ForwardBatch(ids, torch.arange(n), slots, indptr, indptr, slots.int(), [n], [n])
     backend = create_attention_backend("torch", pool, c.num_heads, c.head_dim)
-    ours = loaded.model(batch, backend, logit_rows=torch.arange(n))
+    return loaded.model(batch, backend, logit_rows=torch.arange(n))
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_hf_folder_logits_match_transformers(kind, tmp_path):
+    ref = tiny_model(kind, max_position_embeddings=1024)
+    loaded = load_model(save_tiny(ref, tmp_path), torch.float32, "cpu")
+    assert loaded.config.architecture == ARCHITECTURES[kind]
+    assert loaded.tokenizer.eos_token == "t1"
+    ids = torch.randint(0, 512, (2 * ORIGINAL_POSITIONS + 22,))  # past every rope switch point
     with torch.no_grad():
         want = ref(ids[None]).logits[0]
-    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_logits(loaded, ids), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_sharded_checkpoint_loads_only_the_files_its_index_names(tmp_path):
+    """model.safetensors.index.json over several files; a stray .safetensors beside them (as
+    Mistral's consolidated.safetensors) is not read."""
+    from safetensors.torch import save_file
+
+    ref = tiny_model("phi3")
+    save_tiny(ref, tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2 and (tmp_path / "model.safetensors.index.json").exists()
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2)}, str(tmp_path / "consolidated.safetensors"))
+    ids = torch.randint(0, 512, (2 * ORIGINAL_POSITIONS,))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    torch.testing.assert_close(_logits(load_model(str(tmp_path), torch.float32, "cpu"), ids), want,
+                               rtol=1e-4, atol=1e-4)
+    (tmp_path / "model.safetensors.index.json").unlink()  # without the index every file is read: refused by name
+    with pytest.raises(ValueError, match="does not use: .*layers.0.attention.wq.weight"):
+        load_model(str(tmp_path), torch.float32, "cpu")
 
 
 def test_unknown_path_is_a_clear_error(tmp_path):

@@ -1,4 +1,5 @@
-"""ShadowKV kernels against their torch references on fresh random inputs (interpreter on CPU)."""
+"""ShadowKV kernels against their torch references on fresh random inputs (interpreter on CPU); head
+dims of 48 stand for those that are no power of two (Phi-3: 96)."""
 
 import functools
 
@@ -33,7 +34,7 @@ def _jobs(gen, batch, heads, entries, num_slots, hit_fraction=0.3):
 
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 3, 8])
-@pytest.mark.parametrize("head_dim,num_chunks", [(32, 37), (64, 70), (64, 5)])
+@pytest.mark.parametrize("head_dim,num_chunks", [(32, 37), (64, 70), (48, 5)])
 def test_landmark_logits(group, head_dim, num_chunks, int8):
     gen = torch.Generator().manual_seed(group * 1000 + num_chunks + int8)
     batch, hkv, slots = 3, 2, 200
@@ -59,10 +60,10 @@ def test_landmark_logits(group, head_dim, num_chunks, int8):
 
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("queries", [3, 20])  # a tile shorter than a query block, and over one
-@pytest.mark.parametrize("num_chunks,int8", [(37, False), (150, True)])
-def test_tile_landmark_mass(group, queries, num_chunks, int8):
+@pytest.mark.parametrize("num_chunks,int8,head_dim", [(37, False, 32), (150, True, 48)])
+def test_tile_landmark_mass(group, queries, num_chunks, int8, head_dim):
     gen = torch.Generator().manual_seed(group * 100 + queries + num_chunks)
-    tiles, hkv, slots, head_dim = 3, 2, 200, 32
+    tiles, hkv, slots = 3, 2, 200
     q = torch.randn(tiles, queries, hkv * group, head_dim, generator=gen)
     q_valid = torch.ones(tiles, queries, dtype=torch.bool)
     q_valid[1, queries // 2:] = False  # a padded tile
@@ -129,14 +130,15 @@ def _pool_with_segments(gen, chunk_size, hkv, head_dim, rank, chunks=(5, 9, 3)):
 
 
 @pytest.mark.parametrize("ranked", [False, True])
-@pytest.mark.parametrize("chunk_size,rank,hkv,head_dim", [(8, 30, 3, 32), (8, 64, 2, 32), (4, 17, 3, 32),
-                                                          (16, 40, 2, 64)])
-def test_rebuild_keys(chunk_size, rank, hkv, head_dim, ranked):
+@pytest.mark.parametrize("chunk_size,rank,hkv,head_dim,rotary_dim", [(8, 30, 3, 32, 32), (8, 64, 2, 32, 16),
+                                                                     (4, 17, 3, 48, 48), (16, 40, 2, 64, 64)])
+def test_rebuild_keys(chunk_size, rank, hkv, head_dim, rotary_dim, ranked):
     """Kernel against reference on the pool's own layout (low-rank rows split between a slot's K
-    and V shares, bases in pages), and the reference against RoPE of rows times basis."""
+    and V shares, bases in pages), and the reference against RoPE of rows times basis; with
+    partial rotary the unrotated dims of a rebuilt key are those of rows times basis."""
     gen = torch.Generator().manual_seed(chunk_size * 100 + rank)
     store, segs = _pool_with_segments(gen, chunk_size, hkv, head_dim, rank)
-    rotary = RotaryEmbedding(head_dim, 10000.0, 2048).to(DEVICE)
+    rotary = RotaryEmbedding(head_dim, 10000.0, 2048, rotary_dim=rotary_dim).to(DEVICE)
     slots = torch.cat([seg.chunk_slots for seg in segs]).cpu()
     batch, entries = 3, 6
     picks = torch.stack([slots[torch.randperm(len(slots), generator=gen)[:entries]] for _ in range(batch * hkv)])
@@ -178,6 +180,8 @@ def test_rebuild_keys(chunk_size, rank, hkv, head_dim, ranked):
         pos = torch.arange(int(store.chunk_pos[slot]), int(store.chunk_pos[slot]) + chunk_size, device=DEVICE)
         block = int(table[int(rows[b]), e]) * hkv + h
         torch.testing.assert_close(want[block], rotary.apply(pre, pos)[:, h], rtol=1e-4, atol=1e-4)
+        unrotated = _unrotated_dims(head_dim, rotary_dim)
+        torch.testing.assert_close(want[block][:, unrotated], pre[:, h, unrotated], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -255,7 +259,7 @@ def test_gather_values_reads_resident_chunks_from_the_gpu_copy(int8):
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-@pytest.mark.parametrize("chunk_size,head_dim", [(8, 64), (4, 32)])
+@pytest.mark.parametrize("chunk_size,head_dim", [(8, 64), (4, 48)])
 @pytest.mark.parametrize("queries", [1, 5, 20])  # per request: a decode query, or a suffix tile's
 @pytest.mark.parametrize("splits", [1, 3, 16])  # each program's keys split among 3 (16: the most) programs, merged
 def test_sparse_decode_attention(group, chunk_size, head_dim, queries, splits):
@@ -453,11 +457,13 @@ def test_chunk_stats_rejects_a_partial_chunk():
         chunk_stats(torch.zeros(10, 1, 16, device=DEVICE), 8)
 
 
-@pytest.mark.parametrize("tokens,heads,head_dim", [(70, 3, 64), (5, 1, 32), (130, 2, 48)])
+@pytest.mark.parametrize("tokens,heads,head_dim,rotary_dim", [(70, 3, 64, 64), (5, 1, 32, 32), (130, 2, 48, 48),
+                                                               (40, 2, 64, 32)])
 @pytest.mark.parametrize("inverse", [False, True])
-def test_rotate(tokens, heads, head_dim, inverse):
+def test_rotate(tokens, heads, head_dim, rotary_dim, inverse):
+    """With partial rotary (GLM: half of each head) the unrotated dims pass through bit for bit."""
     gen = torch.Generator().manual_seed(tokens * 10 + head_dim + inverse)
-    rotary = RotaryEmbedding(head_dim, 10000.0, 4096)
+    rotary = RotaryEmbedding(head_dim, 10000.0, 4096, rotary_dim=rotary_dim)
     x = torch.randn(tokens, heads, head_dim, generator=gen).to(torch.bfloat16)
     pos = torch.randint(0, 4096, (tokens,), generator=gen)
     args = [t.to(DEVICE) for t in (x, rotary.cos_cache, rotary.sin_cache, pos)]
@@ -468,6 +474,15 @@ def test_rotate(tokens, heads, head_dim, inverse):
     back = rotate(got, *args[1:], inverse=not inverse)  # the inverse undoes the rotation
     torch.testing.assert_close(back, x.float().to(DEVICE), rtol=TOL, atol=TOL)
     assert rotate(*args).dtype == torch.bfloat16
+    unrotated = _unrotated_dims(head_dim, rotary_dim)
+    for out in (got, want):
+        assert torch.equal(out[..., unrotated], x.float().to(DEVICE)[..., unrotated])
+
+
+def _unrotated_dims(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The dims partial rotary leaves: table columns rotary_dim/2 .. head_dim/2 of each half."""
+    half = torch.arange(rotary_dim // 2, head_dim // 2)
+    return torch.cat([half, half + head_dim // 2])
 
 
 @pytest.mark.parametrize("k", [5, 16, 40])
@@ -557,7 +572,7 @@ def test_select_decode_chunks(num_chunks, group, adaptive):
     assert torch.equal(gated_hist, want_hist) and gated_hist[rows[2:].long()].sum() == 0
 
 
-@pytest.mark.parametrize("chunk_size,head_dim", [(8, 128), (4, 32), (3, 16)])
+@pytest.mark.parametrize("chunk_size,head_dim", [(8, 128), (4, 48), (3, 16)])
 def test_quantize_chunks(chunk_size, head_dim):
     """The one-pass int8 host format equals the torch path's bit for bit: values, ties rounded to
     even, scales; from a strided token-major view (the dense pool's), with an all-zero chunk."""

@@ -11,11 +11,10 @@ import httpx
 import pytest
 
 from sglang_shadowkv.testing.live_server import SMALL, LiveServer, assert_no_pages_held, wait_until
+from tiny_model import SHADOWKV
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0}
 SAMPLED = {"max_new_tokens": 10, "temperature": 0.8, "top_p": 0.9, "sampling_seed": 7}
-SHADOWKV = dict(attention="shadowkv", max_total_tokens=16384, chunked_prefill_size=512, shadowkv_min_context=512,
-                shadowkv_host_tokens=4096, shadowkv_max_budget=64, shadowkv_compress_policy="eager")
 MODES = {"full": {}, "shadowkv": SHADOWKV}
 
 

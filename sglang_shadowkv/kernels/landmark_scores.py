@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.head_dims import dim_pad, head_dims
 from sglang_shadowkv.kernels.padding_rows import live_row
 from sglang_shadowkv.kernels.sparse_decode_attention import program_rows
 
@@ -42,22 +43,22 @@ def _landmark_logits_kernel(Q, L, SLOTS, SEL, SCALE, OUT, LIVE, sm_scale, N,
                             stride_qb, stride_qh, stride_ls, stride_lh, stride_sb,
                             stride_sel, stride_scale, stride_ob, stride_oh,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            BLOCK_N: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr):
+                            DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     nb = tl.program_id(2)
     if not live_row(LIVE, b, GATED):
         return
     offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d, d_ok = head_dims(HEAD_DIM, DIM_PAD)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     g_valid = offs_g < GROUP
     n_valid = offs_n < N
     q = tl.load(Q + b * stride_qb + (h * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=g_valid[:, None], other=0.0)
+                mask=g_valid[:, None] & d_ok[None, :], other=0.0)
     slot = tl.load(SLOTS + b * stride_sb + offs_n, mask=n_valid, other=0).to(tl.int64)
     lm = tl.load(L + slot[None, :] * stride_ls + h * stride_lh + offs_d[:, None],
-                 mask=n_valid[None, :], other=0.0)
+                 mask=n_valid[None, :] & d_ok[:, None], other=0.0)
     s = tl.dot(q, lm.to(q.dtype)).to(tl.float32) * sm_scale  # int8 values are exact in q's dtype
     if SCALED:
         s *= tl.load(SCALE + slot * stride_scale + h, mask=n_valid, other=0.0)[None, :]
@@ -85,7 +86,7 @@ def landmark_logits(q, landmarks, chunk_slots, selectable, sm_scale, scale=None,
         chunk_slots if live is None else live, sm_scale, n,
         q.stride(0), q.stride(1), landmarks.stride(0), landmarks.stride(1), chunk_slots.stride(0),
         selectable.stride(0), 0 if scale is None else scale.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=program_rows(1, group)[1], HEAD_DIM=d, BLOCK_N=block_n,
+        GROUP=group, GROUP_PAD=program_rows(1, group)[1], HEAD_DIM=d, DIM_PAD=dim_pad(d), BLOCK_N=block_n,
         SCALED=scale is not None, GATED=live is not None)
     return out
 
@@ -114,22 +115,23 @@ def tile_landmark_mass_reference(q, q_valid, landmarks, chunk_slots, selectable,
 def _tile_logits(Q, L, SLOTS, SEL, SCALE, sm_scale, N, T, r, h, rb, nb,
                  stride_qr, stride_qt, stride_qh, stride_ls, stride_lh, stride_sr, stride_sel, stride_scale,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERY_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
+                 DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
     """Logits [QUERY_BLOCK·GROUP_PAD, BLOCK_N] of query block rb of request r (rows: query-major,
     then the KV group's heads) against chunk block nb, KV head h; -inf where a row is padding or a
     chunk not selectable. Also returns which chunks are selectable [BLOCK_N]."""
     ROWS: tl.constexpr = QUERY_BLOCK * GROUP_PAD
     offs_m = tl.arange(0, ROWS)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d, d_ok = head_dims(HEAD_DIM, DIM_PAD)
     query = rb * QUERY_BLOCK + offs_m // GROUP_PAD
     head = h * GROUP + offs_m % GROUP_PAD
     m_valid = (offs_m % GROUP_PAD < GROUP) & (query < T)
     q = tl.load(Q + r * stride_qr + query[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=m_valid[:, None], other=0.0)
+                mask=m_valid[:, None] & d_ok[None, :], other=0.0)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < N
     slot = tl.load(SLOTS + r * stride_sr + offs_n, mask=n_valid, other=0).to(tl.int64)
-    lm = tl.load(L + slot[None, :] * stride_ls + h * stride_lh + offs_d[:, None], mask=n_valid[None, :], other=0.0)
+    lm = tl.load(L + slot[None, :] * stride_ls + h * stride_lh + offs_d[:, None], mask=n_valid[None, :] & d_ok[:, None],
+                 other=0.0)
     s = tl.dot(q, lm.to(q.dtype)).to(tl.float32) * sm_scale  # int8 values are exact in q's dtype
     if SCALED:
         s *= tl.load(SCALE + slot * stride_scale + h, mask=n_valid, other=0.0)[None, :]
@@ -141,12 +143,12 @@ def _tile_logits(Q, L, SLOTS, SEL, SCALE, sm_scale, N, T, r, h, rb, nb,
 def _tile_row_stats_kernel(Q, L, SLOTS, SEL, SCALE, ROW_MAX, ROW_SUM, sm_scale, N, T, NUM_HEADS,
                            stride_qr, stride_qt, stride_qh, stride_ls, stride_lh, stride_sr, stride_sel, stride_scale,
                            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERY_BLOCK: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
     """Pass 1: each row's max and sum of exp over one chunk block (the softmax's partial statistics)."""
     rh, rb, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s, _ = _tile_logits(Q, L, SLOTS, SEL, SCALE, sm_scale, N, T, rh // NUM_HEADS, rh % NUM_HEADS, rb, nb,
                         stride_qr, stride_qt, stride_qh, stride_ls, stride_lh, stride_sr, stride_sel, stride_scale,
-                        GROUP, GROUP_PAD, QUERY_BLOCK, HEAD_DIM, BLOCK_N, SCALED)
+                        GROUP, GROUP_PAD, QUERY_BLOCK, HEAD_DIM, DIM_PAD, BLOCK_N, SCALED)
     ROWS: tl.constexpr = QUERY_BLOCK * GROUP_PAD
     m = tl.max(s, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -160,7 +162,7 @@ def _tile_row_stats_kernel(Q, L, SLOTS, SEL, SCALE, ROW_MAX, ROW_SUM, sm_scale, 
 def _tile_mass_kernel(Q, L, SLOTS, SEL, SCALE, LSE, Q_VALID, MASS, sm_scale, N, T, NUM_HEADS,
                       stride_qr, stride_qt, stride_qh, stride_ls, stride_lh, stride_sr, stride_sel, stride_scale,
                       stride_vr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERY_BLOCK: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
     """Pass 2: probabilities from the rows' log-sum-exp, max over each query's heads, summed over
     the block's valid queries: one query block's share of a chunk block's mass (-1 on the first
     block's share where a chunk is not selectable, 0 on the others'; the shares are summed after)."""
@@ -168,7 +170,7 @@ def _tile_mass_kernel(Q, L, SLOTS, SEL, SCALE, LSE, Q_VALID, MASS, sm_scale, N, 
     r = rh // NUM_HEADS
     s, allowed = _tile_logits(Q, L, SLOTS, SEL, SCALE, sm_scale, N, T, r, rh % NUM_HEADS, rb, nb,
                               stride_qr, stride_qt, stride_qh, stride_ls, stride_lh, stride_sr, stride_sel,
-                              stride_scale, GROUP, GROUP_PAD, QUERY_BLOCK, HEAD_DIM, BLOCK_N, SCALED)
+                              stride_scale, GROUP, GROUP_PAD, QUERY_BLOCK, HEAD_DIM, DIM_PAD, BLOCK_N, SCALED)
     ROWS: tl.constexpr = QUERY_BLOCK * GROUP_PAD
     lse = tl.load(LSE + (rh * tl.num_programs(1) + rb) * ROWS + tl.arange(0, ROWS))
     p = tl.exp(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None])  # 0 where s is -inf
@@ -197,7 +199,7 @@ def tile_landmark_mass(q, q_valid, landmarks, chunk_slots, selectable, sm_scale,
     common = (q, landmarks, chunk_slots, selectable, selectable if scale is None else scale)  # (SCALE unread if unscaled)
     strides = (q.stride(0), q.stride(1), q.stride(2), landmarks.stride(0), landmarks.stride(1), chunk_slots.stride(0),
                selectable.stride(0), 0 if scale is None else scale.stride(0))
-    meta = dict(GROUP=group, GROUP_PAD=group_pad, QUERY_BLOCK=query_block, HEAD_DIM=d, BLOCK_N=block_n,
+    meta = dict(GROUP=group, GROUP_PAD=group_pad, QUERY_BLOCK=query_block, HEAD_DIM=d, DIM_PAD=dim_pad(d), BLOCK_N=block_n,
                 SCALED=scale is not None)
     grid = (r * h, q_blocks, n_blocks)
     row_max = torch.empty(r * h, n_blocks, q_blocks * rows, device=q.device)

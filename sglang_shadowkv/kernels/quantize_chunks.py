@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.head_dims import dim_pad, head_dims
 from sglang_shadowkv.mem_cache.compressed_layout import quantize_per_head
 
 
@@ -39,14 +40,14 @@ def _round_half_even(y):
 
 @triton.jit
 def _quantize_chunks_kernel(V, OUT, SCALE, stride_vt, stride_vh, CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr,
-                            HEAD_DIM: tl.constexpr):
+                            HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
     """One program per (chunk, KV head): its [c, D] values read once, their int8 and scale written."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     heads = tl.num_programs(1)
     offs_t = tl.arange(0, CHUNK_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_t < CHUNK)[:, None]
+    offs_d, d_ok = head_dims(HEAD_DIM, DIM_PAD)
+    mask = (offs_t < CHUNK)[:, None] & d_ok[None, :]
     token = (n * CHUNK + offs_t).to(tl.int64)
     x = tl.load(V + token[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-30), 127.0)  # (IEEE, as torch's)
@@ -59,12 +60,13 @@ def _quantize_chunks_kernel(V, OUT, SCALE, stride_vt, stride_vh, CHUNK: tl.const
 def quantize_chunks(v: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `quantize_chunks_reference` (same arguments and results)."""
     t, h, d = v.shape
-    if t % chunk or v.stride(2) != 1 or d & (d - 1):
-        raise ValueError(f"v must be [T, Hkv, D] with T a multiple of {chunk}, D a power of two and "
-                         f"contiguous, got shape {tuple(v.shape)} and strides {v.stride()}")
+    if t % chunk or v.stride(2) != 1:
+        raise ValueError(f"v must be [T, Hkv, D] with T a multiple of {chunk} and contiguous in D, got shape "
+                         f"{tuple(v.shape)} and strides {v.stride()}")
     out = torch.empty(t // chunk, h, chunk, d, dtype=torch.int8, device=v.device)
     scale = torch.empty(t // chunk, h, dtype=torch.float32, device=v.device)
     if t:
         _quantize_chunks_kernel[(t // chunk, h)](v, out, scale, v.stride(0), v.stride(1), CHUNK=chunk,
-                                                 CHUNK_PAD=triton.next_power_of_2(chunk), HEAD_DIM=d)
+                                                 CHUNK_PAD=triton.next_power_of_2(chunk), HEAD_DIM=d,
+                                                 DIM_PAD=dim_pad(d))
     return out, scale

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.head_dims import dim_pad, head_dims
+
 
 def ragged_paged_attention_reference(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale,
                                      hidden=None, lse=None):
@@ -72,8 +74,8 @@ def causal_attention(q, k, v, sm_scale, hidden=None):
 def _ragged_attention_kernel(
     Q, K, V, O, LSE, q_indptr, kv_indptr, kv_indices, sm_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -86,20 +88,20 @@ def _ragged_attention_kernel(
         prefix = kv_len - q_len
         kv_head = head // GROUP
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
+        offs_d, d_ok = head_dims(HEAD_DIM, DIM_PAD)
         m_valid = offs_m < q_len
         q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=m_valid[:, None], other=0.0)
+                    mask=m_valid[:, None] & d_ok[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
         kv_end = tl.minimum(kv_len, prefix + (m_block + 1) * BLOCK_M)
         for n in range(0, kv_end, BLOCK_N):
             offs_n = n + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_len
             slot = tl.load(kv_indices + kv_start + offs_n, mask=n_valid, other=0).to(tl.int64)
             k = tl.load(K + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                        mask=n_valid[None, :], other=0.0)
+                        mask=n_valid[None, :] & d_ok[:, None], other=0.0)
             s = tl.dot(q, k).to(tl.float32) * sm_scale
             visible = (offs_n[None, :] <= prefix + offs_m[:, None]) & n_valid[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -108,13 +110,13 @@ def _ragged_attention_kernel(
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=n_valid[:, None], other=0.0)
+                        mask=n_valid[:, None] & d_ok[None, :], other=0.0)
             # p stays float32 (a tf32 product on GPU): rounding it to bf16 costs ~1e-2 of logit accuracy
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=m_valid[:, None])
+                 out.to(O.dtype.element_ty), mask=m_valid[:, None] & d_ok[None, :])
         if STORE_LSE:
             tl.store(LSE + (q_start + offs_m) * stride_lt + head, m_i + tl.log(l_i), mask=m_valid)
 
@@ -123,8 +125,6 @@ def ragged_paged_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, s
                            max_q_len: int | None = None, lse=None):
     """Triton version of `ragged_paged_attention_reference` (same arguments)."""
     num_tokens, num_heads, head_dim = q.shape
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two for the Triton kernel, got {head_dim}")
     out = torch.empty_like(q)
     batch = q_indptr.numel() - 1
     if max_q_len is None:
@@ -132,7 +132,7 @@ def ragged_paged_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, s
     if batch == 0 or max_q_len == 0:
         return out
     block_m = 16 if max_q_len <= 16 else 64
-    block_n = 64 if head_dim <= 64 else 32
+    block_n = 64 if dim_pad(head_dim) <= 64 else 32
     grid = (batch, num_heads, triton.cdiv(max_q_len, block_m))
     if lse is not None and (lse.shape != (num_tokens, num_heads) or lse.stride(1) != 1 or lse.dtype != torch.float32):
         raise ValueError(f"lse must be a float32 [{num_tokens}, {num_heads}] tensor, contiguous over heads")
@@ -140,7 +140,8 @@ def ragged_paged_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, s
         q, k_pool, v_pool, out, out if lse is None else lse, q_indptr, kv_indptr, kv_indices, sm_scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
-        GROUP=num_heads // k_pool.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=num_heads // k_pool.shape[1], HEAD_DIM=head_dim, DIM_PAD=dim_pad(head_dim), BLOCK_M=block_m,
+        BLOCK_N=block_n,
         STORE_LSE=lse is not None,
     )
     return out

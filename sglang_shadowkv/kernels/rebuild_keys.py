@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.head_dims import dim_pad, head_dims
 from sglang_shadowkv.kernels.padding_rows import live_row, live_rows
 from sglang_shadowkv.kernels.rotary import rotate_reference
 from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_jobs
@@ -63,16 +64,16 @@ def rebuild_keys_reference(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, 
 
 
 @triton.jit
-def _accumulate(acc1, acc2, a_ptrs, a_mask, kp, vp, offs_r, r_valid, page_ids, col,
+def _accumulate(acc1, acc2, a_ptrs, a_mask, kp, vp, offs_r, r_valid, page_ids, col, col_ok,
                 stride_pp, stride_pt, CHUNK: tl.constexpr, HALF: tl.constexpr):
     """acc += A[:, offs_r] · B[offs_r, col] (first half) and B[offs_r, col + HALF] (second half);
     a_ptrs [M, BLOCK_R] point at A's entries (rows of other bases masked to zero); B's rows come
-    from their basis pages."""
+    from their basis pages (col_ok: the columns that are real dims)."""
     a = tl.load(a_ptrs, mask=a_mask, other=0.0)
     half = (offs_r // CHUNK) % 2  # 0: the row is in the page's K memory, 1: in its V memory
     row = page_ids * stride_pp + (offs_r % CHUNK) * stride_pt
-    k_mask = (r_valid & (half == 0))[:, None]
-    v_mask = (r_valid & (half == 1))[:, None]
+    k_mask = (r_valid & (half == 0))[:, None] & col_ok[None, :]
+    v_mask = (r_valid & (half == 1))[:, None] & col_ok[None, :]
     b1 = (tl.load(kp + row[:, None] + col[None, :], mask=k_mask, other=0.0)
           + tl.load(vp + row[:, None] + col[None, :], mask=v_mask, other=0.0))
     b2 = (tl.load(kp + row[:, None] + (col + HALF)[None, :], mask=k_mask, other=0.0)
@@ -86,7 +87,7 @@ def _rebuild_keys_kernel(A_LO, A_HI, KP, VP, BASIS_PAGES, COS, SIN, CHUNK_POS, C
                          stride_lo_s, stride_lo_t, stride_hi_s, stride_hi_t, stride_pp, stride_pt, stride_bp,
                          stride_cos, stride_jb, stride_jh, stride_ob, stride_ot, stride_sp,
                          CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, HALF: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, RANKED: tl.constexpr, GATED: tl.constexpr):
+                         HALF_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, RANKED: tl.constexpr, GATED: tl.constexpr):
     """One program: BLOCK_E entries of one (request, KV head), BLOCK_E·CHUNK_PAD key rows as one
     tile, so each basis block is read once for all of them and multiplied on tensor cores (one
     program per entry re-read its head's whole basis for 8 keys: 0.39 ms a layer for 16 decoding
@@ -104,10 +105,10 @@ def _rebuild_keys_kernel(A_LO, A_HI, KP, VP, BASIS_PAGES, COS, SIN, CHUNK_POS, C
     todo = (slot >= 0) & (t < CHUNK)
     if tl.max(todo.to(tl.int32), 0) > 0:
         basis = tl.load(CHUNK_BASIS + slot, mask=todo, other=0).to(tl.int64)
-        offs_h = tl.arange(0, HALF)
+        offs_h, h_ok = head_dims(HALF, HALF_PAD)
         col = h * 2 * HALF + offs_h
-        acc1 = tl.zeros([BLOCK_E * CHUNK_PAD, HALF], tl.float32)
-        acc2 = tl.zeros([BLOCK_E * CHUNK_PAD, HALF], tl.float32)
+        acc1 = tl.zeros([BLOCK_E * CHUNK_PAD, HALF_PAD], tl.float32)
+        acc2 = tl.zeros([BLOCK_E * CHUNK_PAD, HALF_PAD], tl.float32)
         lo_rows = A_LO + slot[:, None] * stride_lo_s + t[:, None] * stride_lo_t
         hi_rows = A_HI + slot[:, None] * stride_hi_s + t[:, None] * stride_hi_t
         remaining = todo
@@ -123,25 +124,26 @@ def _rebuild_keys_kernel(A_LO, A_HI, KP, VP, BASIS_PAGES, COS, SIN, CHUNK_POS, C
                 r_valid = offs_r < lo_end
                 pages = tl.load(BASIS_PAGES + basis_id * stride_bp + offs_r // (2 * CHUNK), mask=r_valid, other=0)
                 acc1, acc2 = _accumulate(acc1, acc2, lo_rows + offs_r[None, :], rows[:, None] & r_valid[None, :],
-                                         KP, VP, offs_r, r_valid, pages.to(tl.int64), col, stride_pp, stride_pt,
-                                         CHUNK, HALF)
+                                         KP, VP, offs_r, r_valid, pages.to(tl.int64), col, h_ok, stride_pp,
+                                         stride_pt, CHUNK, HALF)
             for r0 in range(LO, rank, BLOCK_R):  # the rest, in its V share
                 offs_r = r0 + tl.arange(0, BLOCK_R)
                 r_valid = offs_r < rank
                 pages = tl.load(BASIS_PAGES + basis_id * stride_bp + offs_r // (2 * CHUNK), mask=r_valid, other=0)
                 acc1, acc2 = _accumulate(acc1, acc2, hi_rows + (offs_r - LO)[None, :], rows[:, None] & r_valid[None, :],
-                                         KP, VP, offs_r, r_valid, pages.to(tl.int64), col, stride_pp, stride_pt,
-                                         CHUNK, HALF)
+                                         KP, VP, offs_r, r_valid, pages.to(tl.int64), col, h_ok, stride_pp,
+                                         stride_pt, CHUNK, HALF)
             remaining = remaining & (basis != basis_id)
         pos = tl.load(CHUNK_POS + slot, mask=todo, other=0).to(tl.int64) + t
-        c = tl.load(COS + pos[:, None] * stride_cos + offs_h[None, :], mask=todo[:, None], other=1.0)
-        s = tl.load(SIN + pos[:, None] * stride_cos + offs_h[None, :], mask=todo[:, None], other=0.0)
+        keep = todo[:, None] & h_ok[None, :]
+        c = tl.load(COS + pos[:, None] * stride_cos + offs_h[None, :], mask=keep, other=1.0)
+        s = tl.load(SIN + pos[:, None] * stride_cos + offs_h[None, :], mask=keep, other=0.0)
         row = tl.load(ROWS + b).to(tl.int64)
         block = scratch_block(SCRATCH_PAGES, stride_sp, row, tl.where(todo, entry, 0), h, tl.num_programs(1))
         out = OUT + block[:, None] * stride_ob + t[:, None] * stride_ot
         ty = OUT.dtype.element_ty
-        tl.store(out + offs_h[None, :], (acc1 * c - acc2 * s).to(ty), mask=todo[:, None])
-        tl.store(out + (offs_h + HALF)[None, :], (acc2 * c + acc1 * s).to(ty), mask=todo[:, None])
+        tl.store(out + offs_h[None, :], (acc1 * c - acc2 * s).to(ty), mask=keep)
+        tl.store(out + (offs_h + HALF)[None, :], (acc2 * c + acc1 * s).to(ty), mask=keep)
 
 
 def rebuild_keys(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, chunk_pos, chunk_basis, jobs, blocks_k,
@@ -167,7 +169,7 @@ def rebuild_keys(a_lo, a_hi, k_pages, v_pages, basis_pages, cos, sin, chunk_pos,
         a_lo.stride(0), a_lo.stride(1), a_hi.stride(0), a_hi.stride(1), k_pages.stride(0), k_pages.stride(1),
         basis_pages.stride(0), cos.stride(0), jobs.stride(0), jobs.stride(1),
         blocks_k.stride(0), blocks_k.stride(1), scratch_pages.stride(0),
-        CHUNK=c, CHUNK_PAD=chunk_pad, HALF=d // 2, BLOCK_E=block_e, BLOCK_R=RANK_BLOCK,
+        CHUNK=c, CHUNK_PAD=chunk_pad, HALF=d // 2, HALF_PAD=dim_pad(d // 2), BLOCK_E=block_e, BLOCK_R=RANK_BLOCK,
         RANKED=basis_rank is not None, GATED=live is not None, num_warps=WARPS,
         **({} if STAGES is None else {"num_stages": STAGES}))
     return blocks_k

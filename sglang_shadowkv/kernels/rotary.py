@@ -1,5 +1,6 @@
 """Rotary position embedding of x [tokens, heads, head_dim] by each token's position, forward or
-inverse (half-split convention: the first half of a head rotates with the second).
+inverse (half-split convention: the first half of a head rotates with the second). Every family
+is mapped onto it (layers/rotary.py): dims of table columns with cos 1 and sin 0 pass through.
 
 The inverse recovers pre-RoPE keys for ShadowKV's prefill compression; the Triton kernel does it
 in one pass (read x, write the result in the asked dtype) where the torch reference makes a

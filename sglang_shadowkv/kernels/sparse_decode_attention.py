@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_shadowkv.kernels.head_dims import dim_pad, head_dims
 from sglang_shadowkv.kernels.padding_rows import live_row, live_rows
 from sglang_shadowkv.kernels.scratch_blocks import scratch_block, scratch_blocks
 
@@ -128,12 +129,12 @@ def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale):
 
 @triton.jit
 def _fold_chunks(q, BLOCKS_K, BLOCKS_V, block, valid, token_of, m_i, l_i, acc, sm_scale, stride_block,
-                 HEAD_DIM: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
     """Fold keys from [c, D] blocks: key n is token token_of[n] of block block[n] (masked where not valid)."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d, d_ok = head_dims(HEAD_DIM, DIM_PAD)
     base = block * stride_block + token_of * HEAD_DIM
-    k = tl.load(BLOCKS_K + base[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
-    v = tl.load(BLOCKS_V + base[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    k = tl.load(BLOCKS_K + base[None, :] + offs_d[:, None], mask=valid[None, :] & d_ok[:, None], other=0.0)
+    v = tl.load(BLOCKS_V + base[:, None] + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
     return _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale)
 
 
@@ -145,8 +146,9 @@ def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, 
                           stride_qb, stride_qh, stride_block, stride_olb, stride_olh, stride_sp,
                           stride_eb, stride_eh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
                           QUERIES, STORE_LSE, SPLITS, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                          QUERY_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                          CHUNKS_PER_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, GATED: tl.constexpr):
+                          QUERY_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                          CHUNK: tl.constexpr, CHUNKS_PER_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+                          GATED: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -161,12 +163,12 @@ def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, 
     head = h * GROUP + offs_m % GROUP_PAD
     m_valid = (offs_m % GROUP_PAD < GROUP) & (query < QUERIES)
     q_row = (b * QUERIES + query).to(tl.int64)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d, d_ok = head_dims(HEAD_DIM, DIM_PAD)
     q = tl.load(Q + q_row[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                mask=m_valid[:, None], other=0.0)
+                mask=m_valid[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full([ROWS_M], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS_M], tl.float32)
-    acc = tl.zeros([ROWS_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([ROWS_M, DIM_PAD], tl.float32)
     BLOCK: tl.constexpr = CHUNKS_PER_BLOCK * CHUNK
     offs_n = tl.arange(0, BLOCK)
     chunk_of = offs_n // CHUNK
@@ -177,7 +179,7 @@ def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, 
         idx = i + chunk_of
         block = tl.load(OUTLIERS + b * stride_olb + h * stride_olh + idx, mask=idx < out_hi, other=-1).to(tl.int64)
         m_i, l_i, acc = _fold_chunks(q, BLOCKS_K, BLOCKS_V, block, block >= 0, token_of, m_i, l_i, acc, sm_scale,
-                                     stride_block, HEAD_DIM)
+                                     stride_block, HEAD_DIM, DIM_PAD)
     # selected chunks: entries of this request's scratch row, blocks of its pages
     row = tl.load(ROWS + b).to(tl.int64)
     ent_lo, ent_hi = _split_range(NUM_ENT, split, SPLITS, CHUNKS_PER_BLOCK)
@@ -187,7 +189,7 @@ def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, 
         valid = entry >= 0
         block = scratch_block(SCRATCH_PAGES, stride_sp, row, tl.maximum(entry, 0), h, num_heads)
         m_i, l_i, acc = _fold_chunks(q, BLOCKS_K, BLOCKS_V, block, valid, token_of, m_i, l_i, acc, sm_scale,
-                                     stride_block, HEAD_DIM)
+                                     stride_block, HEAD_DIM, DIM_PAD)
     # dense window: token slots of the paged pool
     w_start = tl.load(W_INDPTR + b)
     w_len = tl.where(live, tl.load(W_INDPTR + b + 1) - w_start, 0)
@@ -197,15 +199,15 @@ def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, 
         valid = n + offs_w < w_hi
         slot = tl.load(W_INDICES + w_start + n + offs_w, mask=valid, other=0).to(tl.int64)
         k = tl.load(K_POOL + slot[None, :] * stride_kt + h * stride_kh + offs_d[:, None],
-                    mask=valid[None, :], other=0.0)
+                    mask=valid[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(V_POOL + slot[:, None] * stride_vt + h * stride_vh + offs_d[None, :],
-                    mask=valid[:, None], other=0.0)
+                    mask=valid[:, None] & d_ok[None, :], other=0.0)
         m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale)
     empty = l_i == 0.0  # nothing attended: a zero output, and -inf for merging
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     out_at = O_OUT + split * OUT_SPLIT_STRIDE  # with splits: this split's partial output (float32)
     tl.store(out_at + q_row[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(O_OUT.dtype.element_ty), mask=m_valid[:, None])
+             out.to(O_OUT.dtype.element_ty), mask=m_valid[:, None] & d_ok[None, :])
     if STORE_LSE:
         lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
         tl.store(LSE + split * (OUT_SPLIT_STRIDE // HEAD_DIM) + q_row * GROUP * num_heads + head, lse, mask=m_valid)
@@ -263,34 +265,36 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
         scratch_pages.stride(0), entries.stride(0), entries.stride(1),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), dest.stride(-3), dest.stride(-2),
         queries_per_request, lse is not None or splits > 1, splits, GROUP=group, GROUP_PAD=group_pad,
-        QUERY_BLOCK=query_block, HEAD_DIM=d, CHUNK=chunk, CHUNKS_PER_BLOCK=chunks_per_key_block(chunk, launch),
+        QUERY_BLOCK=query_block, HEAD_DIM=d, DIM_PAD=dim_pad(d), CHUNK=chunk,
+        CHUNKS_PER_BLOCK=chunks_per_key_block(chunk, launch),
         BLOCK_W=32, GATED=live is not None, num_warps=launch.warps,
         **({} if launch.stages is None else {"num_stages": launch.stages}))
     if splits > 1:
         _merge_splits_kernel[(n * hq,)](part_out, part_lse, out, part_lse if lse is None else lse, n * hq, hq,
                                         out.stride(0), out.stride(1), splits, lse is not None,
-                                        SPLITS_PAD=MAX_SPLITS, HEAD_DIM=d)
+                                        SPLITS_PAD=MAX_SPLITS, HEAD_DIM=d, DIM_PAD=dim_pad(d))
     return out
 
 
 @triton.jit(do_not_specialize=["SPLITS", "STORE_LSE"])
 def _merge_splits_kernel(PART_OUT, PART_LSE, O_OUT, LSE, ROWS, HEADS, stride_ob, stride_oh, SPLITS, STORE_LSE,
-                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
     """One (query row, head): the splits' partial outputs [S, rows·heads, D] weighted by their
     share exp(lse_s - lse) of the softmax; a row no split attended stays 0 with lse -inf."""
     r = tl.program_id(0)
     offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d, d_ok = head_dims(HEAD_DIM, DIM_PAD)
     part_lse = tl.load(PART_LSE + offs_s * ROWS + r, mask=offs_s < SPLITS, other=float("-inf"))
     m = tl.max(part_lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(part_lse - m_safe)
     total = tl.sum(w, 0)
     part = tl.load(PART_OUT + (offs_s * ROWS + r).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
-                   mask=(offs_s < SPLITS)[:, None], other=0.0)
+                   mask=(offs_s < SPLITS)[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     row, head = r // HEADS, r % HEADS
-    tl.store(O_OUT + row.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(O_OUT.dtype.element_ty))
+    tl.store(O_OUT + row.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(O_OUT.dtype.element_ty),
+             mask=d_ok)
     if STORE_LSE:
         tl.store(LSE + r, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total))))
 

@@ -1,7 +1,15 @@
-"""Model shape and rotary settings, read from a Hugging Face config.json or GGUF metadata.
+"""Model shape and what each family changes, read from a Hugging Face config.json or GGUF metadata.
 
-One flat dataclass serves the Llama and Qwen2 families: they differ only in the QKV bias and
-the default rope settings, so the model code stays one implementation.
+One decoder (models/llama.py) serves every family; each difference is a flag here:
+- Llama 2/3/3.1, Yi, SmolLM, Mistral: the base graph;
+- Qwen2 (and 2.5): QKV bias;
+- Qwen3: an RMSNorm over each head of q and k before RoPE (`qk_norm`);
+- GLM-4 (`GlmForCausalLM`, GLM-4-9B) and GLM-4-0414 (`Glm4ForCausalLM`): QKV bias, RoPE on the first
+  half of each head with interleaved pairs (`rotary_dim`, `rope_interleaved`); Glm4 also norms
+  each sublayer's output before its residual add (`post_sublayer_norms`);
+- Phi-3: fused qkv and gate_up weights (split at load, models/loader.py) and LongRoPE.
+Rope scalings (linear, llama3, yarn, longrope) are read here with transformers' defaults filled in
+and turned into frequencies in layers/rotary.py.
 """
 
 from __future__ import annotations
@@ -13,12 +21,18 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "GlmForCausalLM": "glm",
+    "Glm4ForCausalLM": "glm4",
+    "Phi3ForCausalLM": "phi3",
 }
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+_GLM = ("glm", "glm4")
 
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # a value of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -30,7 +44,12 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # on q, k and v
+    output_bias: bool = False  # on o_proj (Llama and Qwen3 with attention_bias)
+    qk_norm: bool = False
+    post_sublayer_norms: bool = False
+    rotary_dim: int | None = None  # dims of each head that RoPE rotates (None: all)
+    rope_interleaved: bool = False  # rotated pairs are (2i, 2i+1), not (i, i + rotary_dim/2)
     context_length: int = 4096
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
@@ -40,6 +59,11 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.rotary_dim is None:
+            self.rotary_dim = self.head_dim
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim or self.head_dim % 2:
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and within head_dim ({self.head_dim}), "
+                             "itself even")
 
     @property
     def kv_dim(self) -> int:
@@ -82,12 +106,16 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {archs[0]!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (supported: silu)")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        max_positions = cfg.get("max_position_embeddings", 4096)
+        theta, rotary_fraction, scaling = read_rope(cfg, arch, max_positions)
         eos = cfg.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        # transformers' own choice per family: Qwen2 always has QKV bias, Phi-3 never, GLM by default
+        qkv_bias = {"qwen2": True, "phi3": False}.get(arch, cfg.get("attention_bias", arch in _GLM))
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -95,26 +123,64 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            rope_theta=float(theta),
-            rope_scaling=_normalize_rope_scaling(rope),
+            rope_theta=theta,
+            rope_scaling=scaling,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "qwen2"),
-            context_length=cfg.get("max_position_embeddings", 4096),
+            attention_bias=qkv_bias,
+            output_bias=qkv_bias and arch in ("llama", "qwen3"),
+            qk_norm=arch == "qwen3",
+            post_sublayer_norms=arch == "glm4",
+            rotary_dim=int(head_dim * rotary_fraction),
+            rope_interleaved=arch in _GLM,
+            context_length=_context_length(cfg, arch, max_positions),
             eos_token_ids=eos_ids,
             name=name,
         )
 
 
-def _normalize_rope_scaling(rope: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Keep only scalings that change the frequencies; 'default' means none."""
-    if not rope:
-        return None
+def _context_length(cfg: dict[str, Any], arch: str, max_positions: int) -> int:
+    """max_position_embeddings, but no longer than a sliding attention window the checkpoint uses
+    (Mistral v0.1, Phi-3-mini-4k): the engine attends to every token, which within the window is the
+    same attention."""
+    window = cfg.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    return min(max_positions, window) if window else max_positions
+
+
+def read_rope(cfg: dict[str, Any], arch: str, max_positions: int) -> tuple[float, float, dict[str, Any] | None]:
+    """(theta, share of each head rotated, scaling or None) from either config.json format:
+    transformers 5's `rope_parameters`, or `rope_scaling` beside top-level `rope_theta`,
+    `partial_rotary_factor` and (Phi-3) `original_max_position_embeddings`. The scaling dict
+    carries its type and the defaults transformers fills in: `factor` (yarn and longrope:
+    max_position_embeddings over the original length when absent) and
+    `original_max_position_embeddings`."""
+    rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+    theta = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    fraction = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+                     or (0.5 if arch in _GLM else 1.0))
     kind = rope.get("rope_type") or rope.get("type") or "default"
+    if arch == "phi3" and kind in ("su", "yarn"):  # Phi-3's earlier names of LongRoPE
+        kind = "longrope"
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if kind == "default":
-        return None
-    if kind not in ("llama3", "linear"):
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: llama3, linear)")
-    return {**rope, "rope_type": kind}
+        return theta, fraction, None
+    scaling = {k: v for k, v in rope.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+    scaling["rope_type"] = kind
+    if kind in ("llama3", "yarn", "longrope"):
+        original = (cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                    or max_positions)
+        scaling["original_max_position_embeddings"] = original
+        if kind != "llama3" and scaling.get("factor") is None:
+            scaling["factor"] = max_positions / original
+    if kind == "longrope":
+        half = int(int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) * fraction) // 2
+        for key in ("short_factor", "long_factor"):
+            if len(scaling.get(key) or ()) != half:
+                raise ValueError(f"longrope {key} must list {half} factors (one per rotated pair), "
+                                 f"got {len(scaling.get(key) or ())}")
+    return theta, fraction, scaling

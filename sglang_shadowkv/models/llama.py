@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3/3.1, SmolLM, Mistral) and Qwen2 (same graph plus QKV bias).
+"""The decoder of every supported family: Llama's graph, with each family's differences as the
+flags of models/config.py (QKV and output biases, Qwen3's q/k norms, Glm4's post-sublayer norms;
+partial and interleaved rotary and LongRoPE/YaRN live in the rotary tables, layers/rotary.py).
 
 Our own module rather than transformers' so that attention runs through the engine's backend over
 the paged pool, one flattened step of many requests at a time. Under tensor parallelism each rank
@@ -32,13 +34,18 @@ class Attention(nn.Module):
         self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.k_proj = ColumnParallelLinear(cfg.hidden_size, cfg.kv_dim, cfg.attention_bias, replicas)
         self.v_proj = ColumnParallelLinear(cfg.hidden_size, cfg.kv_dim, cfg.attention_bias, replicas)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.output_bias)
+        # Qwen3: each head of q and k normed before RoPE (one weight for all heads: replicated)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, positions, rotary: RotaryEmbedding, backend: AttentionBackend,
                 batch: ForwardBatch):
         t = x.shape[0]
-        q = rotary.apply(self.q_proj(x).view(t, self.num_heads, self.head_dim), positions)
-        k = rotary.apply(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        q = rotary.rotate_queries(q, positions)
+        k = rotary.apply(k, positions)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(o.reshape(t, -1))
@@ -62,10 +69,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Glm4: each sublayer's output normed again before its residual add
+        extra = cfg.post_sublayer_norms
+        self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if extra else nn.Identity()
+        self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if extra else nn.Identity()
 
     def forward(self, x, positions, rotary, backend, batch):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_self_attn_layernorm(
+            self.self_attn(self.input_layernorm(x), positions, rotary, backend, batch))
+        return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from sglang_shadowkv.distributed.parallel_state import single_rank
-from sglang_shadowkv.layers.rotary import RotaryEmbedding
+from sglang_shadowkv.layers.rotary import RotaryEmbedding, half_split_order, permute_head_rows
 
 from . import gguf_cache
 from .config import ModelConfig
@@ -56,16 +56,44 @@ def embedded_model_path() -> str:
 
 
 # "random:NAME" model paths: these shapes with random weights (benchmarks on a device that has no
-# checkpoint), the embedded tokenizer (or --tokenizer-path) and its vocabulary.
+# checkpoint), the embedded tokenizer (or --tokenizer-path) and its vocabulary. The shapes of the
+# published checkpoints (tests/test_model_families.py counts their parameters); the Qwen, GLM and
+# Phi presets with their rope settings too (Qwen2.5 with the YaRN its card gives for 128K tokens,
+# GLM-4-9B-chat's rope_ratio 500, Phi-3-mini-128k's LongRoPE factors), the Llama ones without
+# llama3 scaling.
 RANDOM_PRESETS = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                          num_kv_heads=8, head_dim=128, rope_theta=500000.0, context_length=131072),
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                         num_kv_heads=8, head_dim=64, rope_theta=500000.0, context_length=131072),
+                         num_kv_heads=8, head_dim=64, rope_theta=500000.0, context_length=131072,
+                         tie_word_embeddings=True),
     "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
                           num_kv_heads=8, head_dim=128, rope_theta=500000.0, context_length=131072),
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                         num_kv_heads=3, head_dim=64, rope_theta=100000.0, context_length=8192),
+                         num_kv_heads=3, head_dim=64, rope_theta=100000.0, context_length=8192,
+                         tie_word_embeddings=True),
+    "qwen2.5-7b": dict(architecture="qwen2", hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                       num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=True,
+                       context_length=131072, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 32768}),
+    "qwen3-8b": dict(architecture="qwen3", hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                     num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, qk_norm=True,
+                     context_length=40960),
+    "glm-4-9b": dict(architecture="glm", hidden_size=4096, intermediate_size=13696, num_layers=40, num_heads=32,
+                     num_kv_heads=2, head_dim=128, rope_theta=5000000.0, rms_norm_eps=1.5625e-07,
+                     attention_bias=True, rotary_dim=64, rope_interleaved=True, context_length=131072),
+    "phi-3-mini": dict(architecture="phi3", hidden_size=3072, intermediate_size=8192, num_layers=32, num_heads=32,
+                       num_kv_heads=32, head_dim=96, rope_theta=10000.0, context_length=131072,
+                       rope_scaling={"rope_type": "longrope", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                     "short_factor": [1.05] * 3 + [1.1] * 3 + [1.25] * 2 + [
+                                         1.4, 1.45, 1.55, 1.85, 1.9] + [2.0] * 19 + [
+                                         2.1, 2.1, 2.2] + [2.35] * 4 + [2.4, 2.4, 2.65, 2.7, 2.9, 2.95] + [3.05] * 3,
+                                     "long_factor": [
+                                         1.03, 1.05, 1.05, 1.08, 1.23, 1.23, 1.3, 1.45, 1.6, 1.65, 1.9, 2.86, 3.69,
+                                         5.42, 5.49, 5.49, 9.09, 11.58, 15.66, 15.77, 15.79, 18.36, 21.99, 23.08,
+                                         30.01, 32.35, 32.59, 35.56, 39.95, 53.84, 56.2, 57.95, 59.29, 59.77, 59.92,
+                                         61.19, 61.96, 62.5, 63.37, 63.48, 63.48, 63.66, 63.85, 64.08, 64.76, 64.8,
+                                         64.81, 64.81]}),
 }
 
 
@@ -106,6 +134,9 @@ def _build(config: ModelConfig, weights: dict, dtype, device) -> LlamaForCausalL
     missing = expected - set(weights) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing:
         raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
+    unused = set(weights) - expected - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if unused:  # a weight we would drop means a model we do not compute
+        raise ValueError(f"checkpoint has weights the {config.architecture} model does not use: {sorted(unused)[:5]}")
     modules = dict(model.named_modules())
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -126,7 +157,7 @@ def _build(config: ModelConfig, weights: dict, dtype, device) -> LlamaForCausalL
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length,
-                                   config.rope_scaling).to(device)
+                                   config.rope_scaling, config.rotary_dim).to(device)
     return model.eval()
 
 
@@ -163,11 +194,16 @@ def _random_preset(model_path: str, dtype, device, context_length, tokenizer_pat
         tokenizer = gguf_cache.load_tokenizer(gguf) or _read_gguf(gguf)[2]
     else:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    config = ModelConfig(architecture="llama", vocab_size=len(tokenizer), name=name,
-                         eos_token_ids=[tokenizer.eos_token_id], **RANDOM_PRESETS[name])
+    config = preset_config(name, len(tokenizer), [tokenizer.eos_token_id])
     if context_length is not None:
         config.context_length = context_length
     return LoadedModel(config, random_model(config, dtype, device), tokenizer, model_path)
+
+
+def preset_config(name: str, vocab_size: int, eos_token_ids: list[int]) -> ModelConfig:
+    """The ModelConfig of a random preset with the given vocabulary."""
+    return ModelConfig(**{"architecture": "llama", **RANDOM_PRESETS[name]}, vocab_size=vocab_size, name=name,
+                       eos_token_ids=eos_token_ids)
 
 
 def random_model(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> LlamaForCausalLM:
@@ -253,20 +289,13 @@ def _convert_gguf(path: Path):
         parts = base.split(".")
         if parts[0] == "blk":
             name = f"layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{suffix}"
-            if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
-                heads = num_heads if parts[2] == "attn_q" else num_kv
-                data = _unpermute_rope_rows(data, heads)
+            if arch == "llama" and parts[2] in ("attn_q", "attn_k"):  # llama.cpp interleaves the rotated pairs
+                data = permute_head_rows(data, half_split_order(config.head_dim, config.head_dim, interleaved=True))
         else:
             name = f"{_GGUF_NAMES[parts[0]]}.{suffix}"
         weights[name] = data
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return config, weights, tokenizer
-
-
-def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """llama.cpp interleaves each head's rotary halves; restore the half-split row order."""
-    rows = w.shape[0]
-    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 # ---- Hugging Face folder --------------------------------------------------------------------------
@@ -281,14 +310,93 @@ def _read_hf_folder(path: Path):
         eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
         if eos is not None:
             config.eos_token_ids = sorted(set(config.eos_token_ids) | set(eos if isinstance(eos, list) else [eos]))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no .safetensors files in {path}")
     weights = {}
-    for f in files:  # a sharded checkpoint's files (model.safetensors.index.json) are all read so
+    for f in _safetensors_files(path):
         handle = safe_open(str(f), framework="pt")
         for name in handle.keys():
             if "rotary_emb" not in name:
                 weights[name.removeprefix("model.")] = CheckpointTensor(handle, name)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return config, weights, tokenizer
+    return config, _our_layout(weights, config), tokenizer
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's files: those its model.safetensors.index.json names (a sharded checkpoint;
+    other .safetensors beside them, such as Mistral's consolidated.safetensors, are not read),
+    else every .safetensors file."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        absent = [f for f in files if not (path / f).exists()]
+        if absent:
+            raise ValueError(f"{index} names files that are not in {path}: {absent[:3]}")
+        return [path / f for f in files]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in {path}")
+    return files
+
+
+# fused checkpoint weights (Phi-3's qkv_proj, Phi-3's and GLM's gate_up_proj) -> our modules' parts
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_ROTATED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.q_norm", "self_attn.k_norm")
+
+
+def _our_layout(weights: dict, config: ModelConfig) -> dict:
+    """A checkpoint's tensors under our model's names and layout, still lazy: fused weights split
+    into their parts (each then sharded as q/k/v and gate/up are), and each head's dims of q and k
+    in the order the rotary kernels pair them (layers/rotary.py)."""
+    rows = {"q_proj": config.num_heads * config.head_dim, "k_proj": config.kv_dim, "v_proj": config.kv_dim,
+            "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+    out = {}
+    for name, source in weights.items():
+        prefix, _, rest = name.rpartition(".")[0].rpartition(".")
+        parts = _FUSED.get(rest)
+        if parts is None:
+            out[name] = source
+            continue
+        start, suffix = 0, name.rpartition(".")[2]
+        for part in parts:
+            out[f"{prefix}.{part}.{suffix}"] = RowSlice(source, start, rows[part])
+            start += rows[part]
+        if start != source.shape[0]:
+            raise ValueError(f"{name} has {source.shape[0]} rows, not the {start} of {' + '.join(parts)}")
+    order = half_split_order(config.head_dim, config.rotary_dim, config.rope_interleaved)
+    if order is not None:
+        for name in out:
+            if name.rpartition(".")[0].endswith(_ROTATED):
+                out[name] = HeadRowsPermuted(out[name], order)
+    return out
+
+
+class RowSlice:
+    """Rows [start, start + rows) of a checkpoint tensor, read when sliced: one part of a fused weight."""
+
+    def __init__(self, source, start: int, rows: int):
+        self.source, self.start = source, start
+        self.shape = (rows, *source.shape[1:])
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self.source.narrow(0, self.start + start, length)
+        return self.source.narrow(0, self.start, self.shape[0]).narrow(dim, start, length)
+
+
+class HeadRowsPermuted:
+    """A weight, bias or norm of q or k with each head's rows in `order`, read when sliced (along
+    whole heads: tensor parallelism splits q and k by heads)."""
+
+    def __init__(self, source, order: list[int]):
+        self.source, self.order, self.shape = source, order, tuple(source.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        d = len(self.order)
+        if dim != 0 or start % d or length % d:
+            raise ValueError(f"q/k rows are read by whole heads of {d} dims, not rows {start}..{start + length}")
+        return permute_head_rows(self.source.narrow(0, start, length), self.order)
