@@ -27,9 +27,9 @@ def vocab_shard_size(vocab_size: int, tp_size: int) -> int:
 
 
 class ColumnParallelLinear(nn.Linear):
-    """Output features split across ranks by `sizes` groups (e.g. heads of q, k and v): a rank
-    holds its share of each group. `replicas` > 1: a group has fewer slices than ranks (KV heads
-    when the TP size exceeds their count), so each slice serves that many consecutive ranks."""
+    """Output features (heads of q, k or v; MLP columns) split across ranks: a rank holds its
+    consecutive share. `replicas` > 1: there are fewer slices than ranks (KV heads when the TP size
+    exceeds their count), so each slice serves that many consecutive ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, replicas: int = 1):
         tp = get_tp()
