@@ -1,6 +1,5 @@
-"""ShadowKV compression, configuration and the engine's attention="shadowkv" path (CPU)."""
-
-import gc
+"""ShadowKV compression, configuration and the engine's attention="shadowkv" path (CPU); the
+sparse suffix prefill's tests are in test_suffix_prefill.py."""
 
 import pytest
 import torch
@@ -410,113 +409,6 @@ def test_a_long_dense_tail_becomes_a_second_segment(shadow_engine):
     out = shadow_engine.generate(input_ids=third, sampling_params={"max_new_tokens": 8, "temperature": 0})
     info = out["meta_info"]["shadowkv"]
     assert info["segments"] == 2 and info["compressed_tokens"] > 1200 + 400
-    assert_pool_clean(shadow_engine)
-    assert_shadow_pools_clean(shadow_engine)
-
-
-def suffix_scheduler(shadow_engine, **overrides):
-    """A scheduler on the shadow engine's model with other ShadowKV settings."""
-    from sglang_shadowkv.model_executor.model_runner import ModelRunner
-    from sglang_shadowkv.scheduler.scheduler import Scheduler
-    from sglang_shadowkv.server_args import ServerArgs
-
-    args = ServerArgs(**{**SHADOW_ENGINE, **overrides})
-    return Scheduler(args, ModelRunner(args, loaded=shadow_engine.scheduler.runner.loaded))
-
-
-def greedy_answers(sched, doc: list[int], questions: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Compress the document (its own request), then answer each question over it, one at a time."""
-    from sglang_shadowkv.sampling_params import SamplingParams
-
-    def run(rid, ids):
-        req = sched.add_request(rid, ids, SamplingParams(max_new_tokens=new_tokens, temperature=0))
-        while sched.has_work:
-            sched.step()
-        return req
-
-    run("doc", doc + questions[0])
-    answers = []
-    for i, q in enumerate(questions):
-        req = run(f"q{i}", doc + q)
-        assert req.cached_tokens >= len(doc) - 8 and req.shadowkv.layout is not None
-        answers.append(req.output_ids)
-    return answers
-
-
-def test_sparse_suffix_prefill_agrees_with_exact_attention_over_the_prefix(shadow_engine):
-    """Questions over a compressed document, prefilled sparsely (default) and exactly (every
-    chunk streamed through the scratch, shadowkv_sparse_prefill_max=0): mostly the same greedy
-    answers, first tokens included, and the document prefilled and compressed once."""
-    doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 31)
-    questions = questions[:3] + [long_prompt(shadow_engine.tokenizer, 150, 32)]  # three tiles of queries
-    exact = greedy_answers(suffix_scheduler(shadow_engine, shadowkv_sparse_prefill_max=0), doc, questions, 8)
-    sched = suffix_scheduler(shadow_engine)
-    pool = sched.runner.pool
-    for buf in pool.k_buffers + pool.v_buffers:  # scratch rows take pages as they are: what was never
-        buf.view(pool.num_pages, -1)[pool.free_ids()] = float("nan")  # written is never read
-    sparse = greedy_answers(sched, doc, questions, 8)
-    assert sched.stats["compressions"] == 1 and sched.stats["compressed_prefix_hits"] == len(questions)
-    assert sched.stats["prefill_tokens"] < 1200 + sum(len(q) for q in questions) * 2  # no restore
-    agree = sum(a == b for x, y in zip(sparse, exact) for a, b in zip(x, y))
-    del sched
-    gc.collect()  # the two extra schedulers' pools, before the next test
-    # this engine caps the budget at 64 chunks (CI time); at the defaults benchmarks/suffix_fidelity.py
-    # measured 288/288 equal tokens on a 5.2K-token memo (results/suffix_fidelity_cpu.json)
-    assert agree / sum(map(len, exact)) >= 0.8 and all(x[0] == y[0] for x, y in zip(sparse, exact))
-
-
-def test_suffixes_prefilled_together_answer_as_one_at_a_time(shadow_engine):
-    """A step that prefills several suffixes over the same compressed document (one tile, three
-    tiles, and an exact one that asks for prompt logprobs) gives each the tokens it gets alone."""
-    from sglang_shadowkv.scheduler.logprobs import LogprobOptions
-    from sglang_shadowkv.sampling_params import SamplingParams
-
-    doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 33)
-    questions = questions[:2] + [long_prompt(shadow_engine.tokenizer, 150, 34)]
-    sched = shadow_engine.scheduler  # this module's settings; a second scheduler would double the memory
-    shadow_engine.flush_cache()
-    alone = greedy_answers(sched, doc, questions, 6)
-    shadow_engine.flush_cache()
-    greedy_answers(sched, doc, questions[:1], 1)  # the document, compressed
-    reqs = [sched.add_request(f"b{i}", doc + q, SamplingParams(max_new_tokens=6, temperature=0))
-            for i, q in enumerate(questions)]
-    scored = sched.add_request("exact", doc + questions[0], SamplingParams(max_new_tokens=6, temperature=0),
-                               LogprobOptions(start_len=len(doc)))
-    sched.step()
-    assert all(r.prompt_done for r in reqs + [scored]) and scored.shadowkv.exact_prefill  # one step for all
-    while sched.has_work:
-        sched.step()
-    assert [r.output_ids for r in reqs] == alone
-    assert scored.output_ids[0] == alone[0][0]
-
-
-def test_warm_up_runs_a_compression_and_a_suffix_prefill_and_leaves_no_trace(shadow_engine):
-    """The GPU server's warmup (run here on the CPU): every kind of ShadowKV step once, then the
-    cache, the pools and the counters as they were."""
-    from sglang_shadowkv.scheduler.warmup import warm_up
-
-    shadow_engine.flush_cache()
-    sched = shadow_engine.scheduler
-    before = dict(sched.stats)
-    steps = sched.runner.eager_steps
-    warm_up(sched)
-    assert sched.runner.eager_steps > steps and dict(sched.stats) == before
-    assert_pool_clean(shadow_engine)
-    assert_shadow_pools_clean(shadow_engine)
-
-
-def test_abort_during_a_suffix_prefill_frees_everything(shadow_engine):
-    from sglang_shadowkv.sampling_params import SamplingParams
-
-    shadow_engine.flush_cache()
-    doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 25)
-    shadow_engine.generate(input_ids=doc + questions[0], sampling_params={"max_new_tokens": 2, "temperature": 0})
-    sched = shadow_engine.scheduler
-    long_suffix = long_prompt(shadow_engine.tokenizer, 700, 26)  # two prefill chunks of 512
-    req = sched.add_request("suffix", doc + long_suffix, SamplingParams(max_new_tokens=8))
-    sched.step()
-    assert req.shadowkv.layout is not None and not req.prompt_done  # over the document, the suffix half done
-    assert sched.abort("suffix")
     assert_pool_clean(shadow_engine)
     assert_shadow_pools_clean(shadow_engine)
 
