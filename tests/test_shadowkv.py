@@ -332,6 +332,25 @@ def document_and_questions(tokenizer, num_tokens: int, seed: int):
     return doc, [tokenizer.encode(f"\nQuestion: {q} Answer:", add_special_tokens=False) for q in questions]
 
 
+def greedy_answers(sched, doc: list[int], questions: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Compress the document (its own request), then answer each question over it, one at a time."""
+    from sglang_shadowkv.sampling_params import SamplingParams
+
+    def run(rid, ids):
+        req = sched.add_request(rid, ids, SamplingParams(max_new_tokens=new_tokens, temperature=0))
+        while sched.has_work:
+            sched.step()
+        return req
+
+    run("doc", doc + questions[0])
+    answers = []
+    for i, q in enumerate(questions):
+        req = run(f"q{i}", doc + q)
+        assert req.cached_tokens >= len(doc) - 8 and req.shadowkv.layout is not None
+        answers.append(req.output_ids)
+    return answers
+
+
 def counters(eng) -> dict:
     return dict(eng.get_server_info()["stats"])
 

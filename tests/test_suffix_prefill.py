@@ -6,8 +6,8 @@ ShadowKV suites evenly."""
 import gc
 
 from tests.conftest import assert_pool_clean
-from tests.test_shadowkv import (SHADOW_ENGINE, assert_shadow_pools_clean, document_and_questions, long_prompt,
-                                shadow_engine)  # noqa: F401 (a fixture)
+from tests.test_shadowkv import (SHADOW_ENGINE, assert_shadow_pools_clean, document_and_questions, greedy_answers,
+                                long_prompt, shadow_engine)  # noqa: F401 (a fixture)
 
 
 def suffix_scheduler(shadow_engine, **overrides):
@@ -18,25 +18,6 @@ def suffix_scheduler(shadow_engine, **overrides):
 
     args = ServerArgs(**{**SHADOW_ENGINE, **overrides})
     return Scheduler(args, ModelRunner(args, loaded=shadow_engine.scheduler.runner.loaded))
-
-
-def greedy_answers(sched, doc: list[int], questions: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Compress the document (its own request), then answer each question over it, one at a time."""
-    from sglang_shadowkv.sampling_params import SamplingParams
-
-    def run(rid, ids):
-        req = sched.add_request(rid, ids, SamplingParams(max_new_tokens=new_tokens, temperature=0))
-        while sched.has_work:
-            sched.step()
-        return req
-
-    run("doc", doc + questions[0])
-    answers = []
-    for i, q in enumerate(questions):
-        req = run(f"q{i}", doc + q)
-        assert req.cached_tokens >= len(doc) - 8 and req.shadowkv.layout is not None
-        answers.append(req.output_ids)
-    return answers
 
 
 def test_sparse_suffix_prefill_agrees_with_exact_attention_over_the_prefix(shadow_engine):
