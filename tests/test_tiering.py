@@ -206,7 +206,7 @@ def test_demotion_waits_for_readers_and_survives_aborts_flushes_and_evictions(ti
     add("busy", question(1), 200)  # something decodes all along: demotion goes a layer a step
     sched.step()
     monkeypatch.setattr(demotion, "HEADROOM_SHARE", 1.0)
-    sched.cache.maintain(idle=False)  # under the watermark: a job starts, a layer a step
+    sched.cache.maintain(sched.running, idle=False)  # under the watermark: a job starts, a layer a step
     monkeypatch.setattr(demotion, "HEADROOM_SHARE", 0.1)
     assert demoter.job is not None and demoter.job.layer == 1 and demoter.job.start == 0
     span = demoter.job.num_tokens

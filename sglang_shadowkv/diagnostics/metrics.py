@@ -154,7 +154,17 @@ class SchedulerStateCollector(Collector):
                               ("demotions", "Dense cached spans demoted to compressed form instead of dropped."),
                               ("demoted_tokens", "Tokens demoted from the dense tier to the compressed one."),
                               ("gpu_value_loads", "Compressed segments whose values were copied into lent GPU pages."),
-                              ("gpu_value_drops", "Compressed segments whose GPU values were given back.")):
+                              ("gpu_value_drops", "Compressed segments whose GPU values were given back."),
+                              ("to_host_reload_cheaper", "Long dense documents moved to the host tier under "
+                               "pressure: a reload costs less than compressed."),
+                              ("compressed_no_room", "Long dense documents compressed under pressure: no host "
+                               "tier, or it could not take them."),
+                              ("compressed_sparse_cheaper", "Long dense documents compressed under pressure: "
+                               "cheaper than a reload."),
+                              ("compressed_decode_pays", "Dense documents compressed without pressure: their decode "
+                               "rows save more than compressing costs."),
+                              ("rows_made_sparse", "Running requests switched from reading a document dense to "
+                               "sparse.")):
                 counter(f"shadowkv:{name}", doc, skv.get(name, 0))
             counter("shadowkv:chunk_cache_hits", "Selected chunks already in a request's scratch (since start).",
                     cache["hits"])

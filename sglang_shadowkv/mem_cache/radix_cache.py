@@ -306,6 +306,11 @@ class RadixCache:
         self._count(node.pages, +1, evictable=unlocked)
         return old
 
+    def release(self, entries: list) -> None:
+        """Give back entries that left the tree by replace_entries, as an eviction would (the host
+        tier's copies of dense pages included)."""
+        self._release(entries)
+
     def split(self, node: TreeNode, tokens: int) -> TreeNode:
         """Cut node after `tokens` (a whole number of pages, inside it); returns the upper part
         (node itself stays the lower part, so a lock held through it still covers both)."""

@@ -119,6 +119,11 @@ class ModelRunner:
         if self.device.type == "cuda" and not args.disable_cuda_graph:
             self.init_graphs(args.cuda_graph_max_bs or args.max_running_requests, capture=True)
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (what each decode step reads, whatever its rows)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     def _plan_memory(self, args: ServerArgs) -> MemoryPlan:
         """The pool's size: on a GPU from the free memory (mem_cache/memory_plan.py), on a CPU a few
         context windows. With ShadowKV each page also pays for its small metadata; the chunk-cache

@@ -24,7 +24,7 @@ import math
 
 from sglang_shadowkv.mem_cache.host_kv_pool import HostPage
 from sglang_shadowkv.mem_cache.kv_pool import PoolExhaustedError
-from sglang_shadowkv.mem_cache.radix_cache import PrefixMatch, RadixCache
+from sglang_shadowkv.mem_cache.radix_cache import PrefixMatch, RadixCache, TreeNode
 from sglang_shadowkv.model_executor.forward_batch import StepItem
 from sglang_shadowkv.model_executor.model_runner import ModelRunner
 
@@ -34,6 +34,7 @@ from .counters import CacheCounters
 from .integrity import accounting_digest, check_pools
 from .logprobs import prefix_match_limit
 from .request import Req
+from .tier_choice import Rates
 
 
 class CacheManager:
@@ -51,7 +52,10 @@ class CacheManager:
         # included: what a demotion must free for it
         self.turned_away_need = 0
         self.counters = CacheCounters()
-        self.compressed = CompressedTier(runner, self.tree, page_size, self.headroom) if shadowkv else None
+        # what the scheduler measures, for ShadowKV's choice of a document's tier (tier_choice.py)
+        self.rates = Rates.priors(self.pool.bytes_per_token, runner.weight_bytes) if shadowkv else None
+        self.compressed = CompressedTier(runner, self.tree, page_size, self.headroom, self.rates,
+                                         self.move_to_host if self.host is not None else None) if shadowkv else None
 
     def _release_entries(self, entries: list) -> int:
         if self.host is not None:
@@ -72,6 +76,17 @@ class CacheManager:
             self._release_entries(pages)  # (their backups, if any, became the host entries)
         return entries
 
+    def move_to_host(self, node: TreeNode) -> bool:
+        """The demoter's move of an unlocked dense node to the host tier (False, nothing moved,
+        when the host tier cannot take it even by dropping its least recently used documents)."""
+        if sum(p not in self.host.backups for p in node.pages) > self.host.num_free + self.tree.evictable_host:
+            return False
+        entries = self._offload(node.pages)
+        if entries is None:
+            return False
+        self.tree.replace_entries(node, entries)
+        return True
+
     def _back_up(self, entries: list) -> None:
         """write_through: the dense pages the tree just took get their host copy now."""
         if self.host is not None and self.host.write_policy == "write_through":
@@ -87,6 +102,8 @@ class CacheManager:
         self.make_room(len(host))
         pages = self.pool.alloc(len(host))
         self.host.load([match.pages[i] for i in host], pages)
+        if self.rates is not None:
+            self.rates.observe_host_loads(self.host.counters.host_loaded_bytes, self.host.counters.host_load_ms)
         loaded = dict(zip(host, pages))
         at = 0
         for node in _path(match.node):
@@ -179,16 +196,16 @@ class CacheManager:
         self.counters.dense_prefix_hits += dense_hit
         self.counters.reprefilled_tokens += self.tree.dropped_tokens_at(req.input_ids, req.cached_tokens)
 
-    def maintain(self, idle: bool) -> None:
+    def maintain(self, running: list[Req], idle: bool) -> None:
         """Between steps: the demotion's share of work (all of it when nothing decodes, or when the
         request admission turned away this step needs its pages). That request counts with its
         full need (its ShadowKV segment and scratch row included): a wait for a demotion that a
-        smaller need would not start never ends."""
+        smaller need would not start never ends. running: the admitted requests (who reads what)."""
         need, self.turned_away_need = self.turned_away_need, 0
         if self.compressed is not None:
             self.compressed.settle_ranks(wait=False)
         if self.demoter is not None:
-            self.demoter.step(self.available_pages(), need, idle)
+            self.demoter.step(self.available_pages(), need, idle, running)
 
     def prepare(self, req: Req, item: StepItem) -> None:
         """Before a step computes the item: its pages, and whether this prefill chunk completes a
@@ -247,6 +264,8 @@ class CacheManager:
         release the rest."""
         if req.shadowkv is not None:
             self.compressed.before_release(req)
+        if self.rates is not None and req.output_ids and req.finish_reason.get("type") != "abort":
+            self.rates.observe_answer(len(req.output_ids))  # an answer's length
         whole = req.num_computed // self.page_size
         tokens = req.all_ids[:whole * self.page_size]
         present = self.tree.insert(tokens, req.pages[:whole])

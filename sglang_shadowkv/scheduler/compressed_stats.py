@@ -1,5 +1,6 @@
-"""What server_info reports of the compressed tier: its counters, the ranks and budgets chosen,
-the pools, who holds compressed state (so a leak shows), and totals over the running requests."""
+"""What server_info reports of the compressed tier: its counters (the tier rule's reasons among
+them), the rates that rule reads, the ranks and budgets chosen, the pools, who holds compressed
+state (so a leak shows), and totals over the running requests."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def tier_stats(tier: "CompressedTier", running: list[Req]) -> dict:
                       "compressed_host_bytes": pools["segment_host_bytes"],
                       "compressed_gpu_value_bytes": pools["gpu_value_pages"] * page_bytes,  # lent pages
                       "droppable_compressed_pages": tier.droppable_pages},
+            "tier_rates": tier.rates.as_dict(),  # what the tier rule reads (tier_choice.py)
             "radix_cache": {"compressed_tokens": tier.tree.total_chunks * tier.cfg.chunk_size,
                             "evictable_compressed_tokens": tier.tree.evictable_chunks * tier.cfg.chunk_size},
             **counters}

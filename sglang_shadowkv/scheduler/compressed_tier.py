@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, Segment
-from sglang_shadowkv.mem_cache.radix_cache import RadixCache
+from sglang_shadowkv.mem_cache.radix_cache import RadixCache, TreeNode
 from sglang_shadowkv.model_executor.model_runner import ModelRunner
 from sglang_shadowkv.shadowkv.memory_report import request_report
 from sglang_shadowkv.shadowkv.request_state import CompressedLayout, ShadowKVReqState, build_layout
@@ -46,6 +46,7 @@ from sglang_shadowkv.shadowkv.request_state import CompressedLayout, ShadowKVReq
 from .counters import CompressionCounters
 from .demotion import Demoter, watermark_pages
 from .request import Req
+from .tier_choice import Rates
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,11 @@ class AdmissionPlan:
 
 
 class CompressedTier:
-    def __init__(self, runner: ModelRunner, tree: RadixCache, page_size: int, headroom: Callable[[], int]):
-        """headroom: unused pages of the pool that no running request is promised (CacheManager.headroom)."""
+    def __init__(self, runner: ModelRunner, tree: RadixCache, page_size: int, headroom: Callable[[], int],
+                 rates: Rates, to_host: Callable[[TreeNode], bool] | None):
+        """headroom: unused pages of the pool that no running request is promised (CacheManager.headroom);
+        rates: what the scheduler measures (the demoter's cost rule); to_host: the host tier's move of
+        a dense node (CacheManager.move_to_host; None without a host tier)."""
         self.cfg, self.store, self.decoder = runner.shadowkv_config, runner.compressed_pool, runner.decoder
         self.runner, self.pool, self.tree, self.page_size = runner, runner.pool, tree, page_size
         if page_size != self.cfg.chunk_size:
@@ -77,8 +81,8 @@ class CompressedTier:
         self._unsettled: list[tuple[Segment, str]] = []  # compressed, ranks not read yet (settle_ranks)
         self.droppable_pages = 0
         self.policy = self.cfg.compress_policy  # the warmup sets "eager" for a moment
+        self.headroom, self.rates, self.to_host = headroom, rates, to_host
         self.demoter = Demoter(self) if self.policy == "tier" else None
-        self.headroom = headroom
         self._uses = itertools.count(1)
         self.pool.reclaim = self._give_back_values
 

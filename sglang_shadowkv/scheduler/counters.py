@@ -64,10 +64,16 @@ class CompressionCounters(Counters):
 
 @dataclass
 class DemotionCounters(Counters):
-    """The demoter's: dense spans of the cache turned compressed instead of dropped."""
+    """The demoter's: dense spans of the cache turned compressed instead of dropped, and the
+    documents that left the dense GPU tier by each reason of the cost rule (tier_choice.py)."""
     demotions: int = 0
     demoted_tokens: int = 0
     demotions_abandoned: int = 0  # finished while requests kept using the span dense
+    to_host_reload_cheaper: int = 0  # under pressure, to the host tier: a reload costs less than compressed
+    compressed_no_room: int = 0  # under pressure, compressed: no host tier, or it could not take it
+    compressed_sparse_cheaper: int = 0  # under pressure, compressed: costs less than a reload
+    compressed_decode_pays: int = 0  # no pressure, compressed: its decode rows save more than it costs
+    rows_made_sparse: int = 0  # running requests switched from reading a document dense to sparse
 
 
 class StepClock:

@@ -67,7 +67,7 @@ class Scheduler:
         self.decode = DecodeManager(self.cache, self.grammars, self.tokenizer, eos_ids, default_generator)
         self.overlap = not args.disable_overlap_schedule
         self.pending: LaunchedStep | None = None
-        self.step_times = StepTimes(self.counters, self.runner.device, args.step_log)
+        self.step_times = StepTimes(self.counters, self.runner.device, args.step_log, self.cache.rates)
         self.step_clock, self.device_timer = self.step_times.clock, self.step_times.device_timer
         self.startup_seconds = 0.0  # set by whoever started it, warmup included (managers/ranks.py)
 
@@ -134,7 +134,7 @@ class Scheduler:
         running = self.running
         self.prefill.admit(self.args.max_running_requests - len(running),
                            nothing_in_flight=not running and self.pending is None, running=running)
-        self.cache.maintain(idle=not self.running)
+        self.cache.maintain(self.running, idle=not self.running)
         updates = [ReqUpdate(req, [], True) for req in self.prefill.rejected]
         self.prefill.rejected.clear()
         if self.pending is not None and any(r.needs_host_tokens for r in self.decode.running):
@@ -224,7 +224,7 @@ class Scheduler:
         slowed), and with --check-integrity check the pool accounting."""
         self.step_times.book_last(time.perf_counter())  # the last step's time ends here, not at the next request
         self.device_timer.collect()
-        self.cache.maintain(idle=True)
+        self.cache.maintain(self.running, idle=True)
         if self.args.check_integrity:
             self.cache.check_integrity(self.running)
 

@@ -47,8 +47,8 @@ def rank_info(scheduler: "Scheduler") -> dict:
     """This rank's device, what it holds (weights: its share; the KV pool; on a GPU what torch's
     allocator holds in all) and how long it took to start."""
     runner = scheduler.runner
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    info = {"rank": runner.tp.rank, "pid": os.getpid(), "device": str(runner.device), "weight_bytes": weights,
+    info = {"rank": runner.tp.rank, "pid": os.getpid(), "device": str(runner.device),
+            "weight_bytes": runner.weight_bytes,
             "kv_pool_bytes": runner.pool.capacity * runner.pool.page_size * runner.pool.bytes_per_token,
             "startup_seconds": round(scheduler.startup_seconds, 2)}
     if runner.device.type == "cuda":

@@ -2,7 +2,8 @@
 its launch to the next), its device time, and with --step-log one JSON line with what it held.
 
 A step's wall time is known only when the next one launches (or the scheduler goes idle), so a
-launch is recorded here and booked then (StepClock, StepLog, the counters' <kind>_step_ms).
+launch is recorded here and booked then (StepClock, StepLog, the counters' <kind>_step_ms, and in
+ShadowKV mode the rates its tier rule reads: scheduler/tier_choice.py).
 """
 
 from __future__ import annotations
@@ -15,16 +16,19 @@ import torch
 from sglang_shadowkv.model_executor.forward_batch import StepItem
 
 from .counters import DeviceStepTimer, StepClock, StepCounters, StepLog
+from .tier_choice import Rates, decode_reads
 
 
 class LaunchRecord(NamedTuple):
-    """A launched step as the step clock and the step log book it once the next launch ends its time."""
+    """A launched step as the step clock, the step log and the tier rule's rates book it once the
+    next launch ends its time."""
     kind: str
     label: str
     started: float
     prompt_tokens: int
     decode_rows: int
     detail: dict | None  # the step log's fields (None: no step log)
+    reads: tuple[int, int]  # (dense KV tokens its decode rows read, rows over compressed chunks)
 
 
 def step_kind(prompt_items: list[StepItem]) -> str:
@@ -45,8 +49,9 @@ def step_label(kind: str, decode_items: list[StepItem], prompt_items: list[StepI
 
 
 class StepTimes:
-    def __init__(self, counters: StepCounters, device: torch.device, step_log: str | None):
-        self.counters = counters
+    def __init__(self, counters: StepCounters, device: torch.device, step_log: str | None, rates: Rates | None):
+        """rates: ShadowKV's measured rates (tier_choice.py), fed each booked step (None: none)."""
+        self.counters, self.rates = counters, rates
         self.clock = StepClock()
         self.device_timer = DeviceStepTimer(self.clock, device)
         self.log = StepLog(step_log)
@@ -62,7 +67,7 @@ class StepTimes:
         self.counters.suffix_steps += kind == "suffix"
         label = step_label(kind, decode_items, prompt_items)
         self._last = LaunchRecord(kind, label, now, sum(it.num_new for it in prompt_items), len(decode_items),
-                                  detail() if self.log.file else None)
+                                  detail() if self.log.file else None, decode_reads(decode_items))
         started = self.device_timer.start()
         yield
         self.device_timer.stop(label, started)
@@ -77,7 +82,17 @@ class StepTimes:
             self.clock.book(last.label, ms, last.prompt_tokens, last.decode_rows)
             if last.detail is not None:
                 self.log.write(last.started, last.label, ms, last.detail)
+            if self.rates is not None:
+                self._observe(last, now - last.started)
         self._last = None
+
+    def _observe(self, last: LaunchRecord, seconds: float) -> None:
+        """The rates from steps of one kind only: a prefill without decodes or compression (prompt
+        tokens a second), a step of decodes only (the decode fit)."""
+        if last.label == "prefill":
+            self.rates.observe_prefill(seconds, last.prompt_tokens)
+        elif last.kind == "decode_only":
+            self.rates.observe_decode(seconds, *last.reads)
 
 
 def step_detail(cache, prefill_items: list[StepItem], decode_items: list[StepItem],

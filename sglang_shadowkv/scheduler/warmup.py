@@ -3,6 +3,7 @@ that kernels compile (Triton, FlashInfer's JIT) now and not in a user's time to 
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -18,9 +19,11 @@ logger = logging.getLogger(__name__)
 def warm_up(scheduler: "Scheduler") -> None:
     """A short prompt; with ShadowKV also a document long enough to be compressed (compressed at
     its prefill whatever the policy), then a question of two 64-query tiles over it (the sparse
-    suffix prefill) and its sparse decode. The cache and the counters are left as they were.
-    Every tensor-parallel rank runs the same steps."""
+    suffix prefill) and its sparse decode. The cache, the counters and ShadowKV's measured rates
+    (its steps compile kernels: they measure nothing of serving) are left as they were. Every
+    tensor-parallel rank runs the same steps."""
     saved = [(counters, counters.as_dict()) for counters in [*scheduler.counter_sets, scheduler.step_clock]]
+    rates, saved_rates = scheduler.cache.rates, copy.deepcopy(scheduler.cache.rates)
     vocab, context = scheduler.vocab_size, scheduler.context_length
     low = min(1000, vocab // 4)
     ids = [low + (i * 7919) % (vocab - 2 * low) for i in range(context)]
@@ -45,5 +48,7 @@ def warm_up(scheduler: "Scheduler") -> None:
     scheduler.device_timer.forget()
     for counters, snapshot in saved:
         counters.restore(snapshot)
+    if rates is not None:
+        vars(rates).update(vars(saved_rates))
     logger.info("warmup: %d requests in %.1f s", len(prompts), time.perf_counter() - start)
 
