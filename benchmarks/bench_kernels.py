@@ -413,7 +413,7 @@ def segment_compression_cost(context: int, k: torch.Tensor, v: torch.Tensor, rot
         job = SegmentCompression(store, seg, rotary, cfg)
         for layer in range(LAYERS):
             job.add_layer(layer, k, v)
-        job.finish(lambda _: k)
+        job.finish(lambda _: (k, v))
 
     with torch.inference_mode():
         seconds = timeit(compress, reps=3, warmup=1)

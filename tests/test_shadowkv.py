@@ -4,7 +4,7 @@ sparse suffix prefill's tests are in test_suffix_prefill.py."""
 import pytest
 import torch
 
-from sglang_shadowkv.shadowkv.compress import chunk_landmarks_and_outliers, low_rank_basis
+from sglang_shadowkv.shadowkv.compress import chunk_landmarks, low_rank_basis, outlier_chunks
 from sglang_shadowkv.shadowkv.config import ShadowKVConfig
 from tests.conftest import assert_pool_clean
 
@@ -147,10 +147,15 @@ def test_landmarks_and_outliers():
     base = torch.randn(1, 1, 2, 16, generator=gen)
     k = (base + 0.01 * torch.randn(10, 4, 2, 16, generator=gen)).reshape(40, 2, 16)  # 10 chunks of 4
     k[4 * 6 + 1, 1] = -k[4 * 6 + 1, 1]  # chunk 6, head 1: one key points away from its chunk
-    landmarks, outliers = chunk_landmarks_and_outliers(k, 4, 2)
+    landmarks, min_cos = chunk_landmarks(k, 4)
     torch.testing.assert_close(landmarks, k.view(10, 4, 2, 16).mean(1))
-    assert (outliers[:, 0] == 0).all() or (outliers == 0).any(1).all()  # the sink chunk, per head
-    assert 6 in outliers[1].tolist() and 6 not in outliers[0].tolist()
+    fit_error = torch.zeros(10, 2)
+    fit_error[3] = 1.0  # chunk 3: the low-rank basis fits its keys worst, in both heads
+    outliers = outlier_chunks(min_cos, fit_error, 4)
+    assert (outliers[:, 0] == 0).all()  # the sink chunk, per head
+    assert 6 in outliers[1, :2].tolist() and 6 not in outliers[0].tolist()  # by the landmark's fit
+    assert (outliers[:, 2] == 3).all()  # then by the basis's fit
+    assert all(len(set(row)) == 4 for row in outliers.tolist())
 
 
 def test_config_sizes_and_errors():
@@ -461,7 +466,7 @@ def test_a_segment_compressed_in_one_batch_equals_its_layers_compressed_alone(me
     for layer in range(layers):
         job.add_layer(layer, keys[layer], values[layer])
         compress_layer(alone, seg_alone, layer, keys[layer], values[layer], rotary, cfg)
-    job.finish(lambda layer: keys[layer])
+    job.finish(lambda layer: (keys[layer], values[layer]))
     ranks = seg_together.settle_ranks()
     assert ranks == seg_alone.settle_ranks()
     assert ranks[0] == 3 and ranks[1] == 9 and ranks[2] == 24

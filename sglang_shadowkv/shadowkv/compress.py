@@ -1,9 +1,10 @@
 """Prefill compression of one segment (DESIGN.md §2, prefill steps 1-4).
 
 Runs after the dense prefill attention of each layer, reading the segment's post-RoPE keys and
-its values back from the dense pool; afterwards those dense pages can be freed. Landmarks,
-outliers and host values are written layer by layer; the low-rank bases of all layers are solved
-together once the last layer is in (`SegmentCompression.finish`): the block power iteration is a
+its values back from the dense pool; afterwards those dense pages can be freed. Landmarks and
+host values are written layer by layer; the low-rank bases of all layers are solved together once
+the last layer is in (`SegmentCompression.finish`, which then writes each layer's low-rank keys and
+outlier chunks, half of those chosen by how the basis fits them): the block power iteration is a
 chain of small float64 factorizations whose cost is launch latency, so one batched launch for all
 layers replaces one per layer (on the H100, 32 layers' Cholesky-QR and Rayleigh-Ritz eigh took
 ~85 ms of a 16K document's 0.18 s compression).
@@ -157,23 +158,34 @@ def low_rank_basis(k_pre: torch.Tensor, max_rank: int, energy: float | None = No
     return basis[:int(rank)].contiguous()
 
 
-def chunk_landmarks_and_outliers(k_post: torch.Tensor, chunk_size: int, num_outliers: int):
-    """Landmarks [n, H, D] (chunk means, float32) and per KV head the outlier chunk ids [H, o].
-
-    Outliers are the chunks whose least cosine similarity between a key and its chunk mean is
-    lowest: a mean that represents its keys badly. Chunk 0 (the attention sink) always is one.
-    """
+def chunk_landmarks(k_post: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Landmarks [n, H, D] (chunk means, float32) and each chunk's least cosine similarity between
+    a key and its mean [n, H]: how badly the landmark represents the chunk's keys."""
     stats_fn = chunk_stats if k_post.is_cuda else chunk_stats_reference
-    landmarks, min_cos = stats_fn(k_post, chunk_size)
-    min_cos[0] = float("-inf")
-    outliers = min_cos.T.topk(num_outliers, dim=1, largest=False).indices  # [H, o]
-    return landmarks, outliers
+    return stats_fn(k_post, chunk_size)
+
+
+def outlier_chunks(min_cos: torch.Tensor, fit_error: torch.Tensor, count: int) -> torch.Tensor:
+    """Per KV head the `count` chunks kept exact [H, count]: chunks the compressed form misrepresents.
+    Chunk 0 (the attention sink) and, up to half of them, those whose landmark represents their keys
+    worst (least min_cos [n, H]: the selection misjudges them); the rest, those whose keys the
+    low-rank basis fits worst (largest fit_error [n, H]: their rebuilt keys are wrong). The energy
+    rule fits the basis to a document's bulk, so rare tokens (a needle, a fact's digits among
+    filler) are rebuilt with several times the error of the rest: on a memo of 12 look-alike facts
+    in 4K tokens every fact chunk is among the 48 worst fitted, while the landmark rule keeps from
+    none to all of them depending on the layer and head, and answers over it changed."""
+    by_landmark = min_cos.T.clone()
+    by_landmark[:, 0] = float("-inf")
+    first = by_landmark.topk((count + 1) // 2, dim=1, largest=False).indices
+    by_fit = fit_error.T.float().scatter(1, first, float("-inf"))
+    return torch.cat([first, by_fit.topk(count - first.shape[1], dim=1).indices], 1)
 
 
 class SegmentCompression:
     """The compression of one segment into the pool, fed one layer at a time (`add_layer`, as
     each layer's keys and values become available) and completed by `finish`, which solves every
-    layer's low-rank basis at once and writes the low-rank keys, re-reading each layer's keys."""
+    layer's low-rank basis at once and writes the low-rank keys and the outlier chunks (chosen
+    partly by how the basis fits them), re-reading each layer's keys and values."""
 
     def __init__(self, pool: ShadowKVPool, seg: Segment, rotary: RotaryTables, cfg: ShadowKVConfig,
                  layers: Iterable[int] | None = None):
@@ -189,6 +201,7 @@ class SegmentCompression:
             self.totals = torch.zeros(len(self.layers), dtype=torch.float64, device=pool.device)
         else:
             self.grams = torch.empty(len(self.layers), dim, dim, device=pool.device)
+        self.min_cos = torch.empty(len(self.layers), seg.num_chunks, pool.num_kv_heads, device=pool.device)
         self.added = 0
 
     def _pre_rope_keys(self, k_post: torch.Tensor) -> torch.Tensor:
@@ -199,33 +212,24 @@ class SegmentCompression:
 
     def add_layer(self, layer: int, k_post: torch.Tensor, v: torch.Tensor) -> None:
         """Compress the segment's keys/values [num_tokens, H, D] of one layer, all but its low-rank
-        keys: landmarks, outliers and host values now, the keys' Gram matrix for `finish`."""
+        keys and outliers: landmarks and host values now, the keys' Gram matrix and the landmarks'
+        fit for `finish`."""
         pool, seg, i = self.pool, self.seg, self.index[layer]
         k_pre = self._pre_rope_keys(k_post)
         if self.svd:
             self.energies[i], self.rows[i], self.totals[i] = svd_spectrum(k_pre, self.rank_cap)
         else:
             self.grams[i] = gram(k_pre)
-        c, h, d = pool.chunk_size, pool.num_kv_heads, pool.head_dim
-        n = seg.num_chunks
-        landmarks, outlier_ids = chunk_landmarks_and_outliers(k_post, c, seg.num_outliers)
+        landmarks, self.min_cos[i] = chunk_landmarks(k_post, pool.chunk_size)
         pool.write_landmarks(layer, seg, landmarks)
-        heads = torch.arange(h, device=k_post.device)[:, None]
-        blocks = seg.outlier_blocks.flatten().long()
-        pool.outlier_pos[layer][blocks] = (seg.start + outlier_ids.flatten() * c).int()
-        for memory, x in ((pool.blocks_k, k_post), (pool.blocks_v, v)):  # chunk o of head h: [H, o, c, D]
-            memory[layer][blocks] = x.view(n, c, h, d)[outlier_ids, :, heads].reshape(-1, c, d).to(pool.dtype)
-        selectable = torch.ones(h, n, dtype=torch.int8, device=k_post.device)
-        selectable.scatter_(1, outlier_ids, 0)
-        pool.selectable[layer][seg.chunk_slots] = selectable.T.contiguous()
         pool.write_host_values(layer, seg, v.to(pool.dtype))
         self.added += 1
 
-    def finish(self, keys_of: Callable[[int], torch.Tensor]) -> None:
-        """Solve every layer's basis together, then write each layer's basis, rank and low-rank
-        keys (keys_of(layer): the layer's post-RoPE keys again, as given to add_layer). On a GPU the
-        ranks stay 0-dim device tensors in seg.ranks, their copy to the host started
-        (Segment.stage_ranks; settle_ranks reads them)."""
+    def finish(self, kv_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Solve every layer's basis together, then write each layer's basis, rank, low-rank keys
+        and outlier chunks (kv_of(layer): the layer's post-RoPE keys and values again, as given to
+        add_layer). On a GPU the ranks stay 0-dim device tensors in seg.ranks, their copy to the
+        host started (Segment.stage_ranks; settle_ranks reads them)."""
         if self.added != len(self.layers):
             raise RuntimeError(f"finish after {self.added} of {len(self.layers)} layers")
         pool, seg = self.pool, self.seg
@@ -236,13 +240,34 @@ class SegmentCompression:
             totals = self.grams.diagonal(dim1=-2, dim2=-1).sum(-1)
             self.grams = None
         bases, ranks = padded_bases(energies, rows, totals, pool.max_rank, self.cfg.energy)
+        c, h, d = pool.chunk_size, pool.num_kv_heads, pool.head_dim
         for i, layer in enumerate(self.layers):
             pool.write_basis(layer, seg, bases[i])
             pool.basis_rank[layer][seg.seg_id] = ranks[i]
             seg.ranks[layer] = ranks[i]
+            k_post, v = kv_of(layer)
+            k_pre = self._pre_rope_keys(k_post)
             with tf32_matmuls():
-                pool.write_lowrank(layer, seg, self._pre_rope_keys(keys_of(layer)) @ bases[i].T)
+                low_rank = k_pre @ bases[i].T
+                rebuilt = low_rank @ bases[i]
+            pool.write_lowrank(layer, seg, low_rank)
+            fit_error = (k_pre - rebuilt).view(seg.num_chunks, c, h, d).norm(dim=-1).amax(1)  # [n, H]
+            self._write_outliers(layer, k_post, v, outlier_chunks(self.min_cos[i], fit_error, seg.num_outliers))
         seg.stage_ranks()
+
+    def _write_outliers(self, layer: int, k_post: torch.Tensor, v: torch.Tensor, outlier_ids: torch.Tensor) -> None:
+        """Outlier chunks [H, o] of one layer: their exact keys and values into the segment's
+        outlier blocks, their positions, and not selectable."""
+        pool, seg = self.pool, self.seg
+        c, h, d, n = pool.chunk_size, pool.num_kv_heads, pool.head_dim, seg.num_chunks
+        heads = torch.arange(h, device=k_post.device)[:, None]
+        blocks = seg.outlier_blocks.flatten().long()
+        pool.outlier_pos[layer][blocks] = (seg.start + outlier_ids.flatten() * c).int()
+        for memory, x in ((pool.blocks_k, k_post), (pool.blocks_v, v)):  # chunk o of head h: [H, o, c, D]
+            memory[layer][blocks] = x.view(n, c, h, d)[outlier_ids, :, heads].reshape(-1, c, d).to(pool.dtype)
+        selectable = torch.ones(h, n, dtype=torch.int8, device=k_post.device)
+        selectable.scatter_(1, outlier_ids, 0)
+        pool.selectable[layer][seg.chunk_slots] = selectable.T.contiguous()
 
 
 def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.Tensor,
@@ -251,4 +276,4 @@ def compress_layer(pool: ShadowKVPool, seg: Segment, layer: int, k_post: torch.T
     a segment's layers together). Its rank goes to seg.ranks (settle_ranks reads it)."""
     job = SegmentCompression(pool, seg, rotary, cfg, layers=[layer])
     job.add_layer(layer, k_post, v)
-    job.finish(lambda _: k_post)
+    job.finish(lambda _: (k_post, v))

@@ -43,7 +43,8 @@ class ShadowKVConfig:
     rank_energy: float = _field(DEFAULT_RANK_ENERGY, "per layer, the least rank keeping this share of the keys' "
                                 "singular-value energy (capped by --shadowkv-rank-cap)")
     chunk_size: int = _field(8, "tokens per chunk: one landmark, one unit of selection")
-    outliers: int = _field(48, "chunks per KV head kept dense on the GPU (the first chunk always is one)")
+    outliers: int = _field(48, "chunks per KV head kept dense on the GPU: the first, then those the landmarks and the "
+                           "low-rank keys represent worst")
     budget: float | str = _field("auto", "chunks selected per step: auto (per step, layer and KV head, the fewest "
                                  "chunks holding --shadowkv-top-p of the score mass) or a fixed fraction of the context")
     min_budget_chunks: int = _field(32, "floor of the selection budget in chunks")

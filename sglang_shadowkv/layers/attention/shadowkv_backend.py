@@ -245,10 +245,10 @@ class ShadowKVAttentionBackend(AttentionBackend):
     def continue_compression(self, job: SpanCompression, layer: int) -> None:
         """Compress one layer of the job's dense KV (layers in order); after the last, solve and
         write every layer's basis."""
-        keys = self.pool.k_buffers
-        job.compression.add_layer(layer, keys[layer][job.slots], self.pool.v_buffers[layer][job.slots])
+        keys, values = self.pool.k_buffers, self.pool.v_buffers
+        job.compression.add_layer(layer, keys[layer][job.slots], values[layer][job.slots])
         if layer == len(keys) - 1:
-            job.compression.finish(lambda at: keys[at][job.slots])
+            job.compression.finish(lambda at: (keys[at][job.slots], values[at][job.slots]))
 
     def compress_span(self, row: int, seg: Segment) -> None:
         """Compress the segment's span of a request's dense KV, every layer (outside a step)."""

@@ -1,0 +1,151 @@
+"""RULER's synthetic tasks through the engine: full attention, ShadowKV cold and ShadowKV on a hit.
+
+The tasks (sglang_shadowkv/testing/ruler.py, generated locally, no download): NIAH single 1-3,
+multikey 1-3, multivalue and multiquery, variable tracking (vt), common-words (cwe) and
+frequent-words (fwe) extraction, with RULER's templates and its string-match-all score (the share of
+expected values in the answer), and `lookalike`: a memo of 12 facts of one template, one asked.
+Each sample is answered greedily three ways (benchmarks/hit_fidelity.py's paths, each ShadowKV
+request's path checked by the engine's counters):
+- `full`: full attention;
+- `cold`: ShadowKV on an empty cache: an exact dense prefill of the prompt, compressed at its
+  prefill, sparse decode;
+- `hit`: ShadowKV with the sample's document (the prompt before its question) cached compressed by
+  an earlier request: the question's prefill attends the compressed document, then sparse decode.
+Per task: RULER's score of each path, and greedy token agreement hit against cold, cold against
+full (equal tokens at equal positions over the longer answer). ShadowKV runs at its defaults with
+compression forced (--shadowkv-compress-policy eager, and --shadowkv-min-context 1024: a 4K sample's
+document is shorter than the default 4096, unless given); any ShadowKV setting is a flag.
+
+    python benchmarks/ruler.py                                       # CPU: every task, 4K and 8K, 12 samples
+    python benchmarks/ruler.py --tasks niah_single_1 lookalike --lengths 4096 --samples 2 --out /tmp/ruler.json
+    python benchmarks/ruler.py --paths hit --shadowkv-rank 192      # one path under another setting
+    python benchmarks/ruler.py --table benchmarks/results/ruler_cpu.json   # the table of a result
+
+Writes JSON (every answer, its path and score; per task and length the summaries) after every
+task, so a long run keeps what it has done; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+from benchmarks.hit_fidelity import agreement, cache_document, generate_checked, question_prefix  # noqa: E402
+from sglang_shadowkv import Engine  # noqa: E402
+from sglang_shadowkv.testing.engine_flags import (add_engine_flags, engine_kwargs, engine_overrides,  # noqa: E402
+                                                  save_result)
+from sglang_shadowkv.testing.ruler import ANSWER_TOKENS, TASKS, make_sample, string_match_all  # noqa: E402
+
+PATHS = ("full", "cold", "hit")
+MIN_CONTEXT = 1024  # unless --shadowkv-min-context is given
+
+
+def run_path(engine: Engine, path: str, cases: list[dict], params: dict) -> list[dict]:
+    """Every case's answer on one path. full and cold: each case on a flushed cache. hit: each
+    case's document cached by an earlier request first (kept for the next cases that share it)."""
+    outs, cached = [], None
+    for case in cases:
+        t0 = time.perf_counter()
+        if path != "hit" or case["doc"] != cached:
+            engine.flush_cache()
+        if path == "hit" and case["doc"] != cached:
+            cache_document(engine, case["doc"])
+            cached = case["doc"]
+        out = generate_checked(engine, case["ids"], params, None if path == "full" else path)
+        outs.append({"text": out["text"], "output_ids": out["output_ids"],
+                     "score": string_match_all(out["text"], case["sample"].outputs),
+                     "seconds": round(time.perf_counter() - t0, 1)})
+    engine.flush_cache()
+    return outs
+
+
+def run_task(engines: dict, task: str, length: int, args) -> dict:
+    """Every sample of a task at one length on every asked path: rows and their summary."""
+    params = {"max_new_tokens": args.max_new_tokens or ANSWER_TOKENS[task], "temperature": 0}
+    any_engine = next(iter(engines.values()))  # for the tokenizer and chat template
+    cases = []
+    for index in range(args.samples):
+        sample, ids = make_sample(any_engine, task, length, index, args.seed)
+        cases.append({"sample": sample, "ids": ids, "doc": question_prefix(any_engine, ids, sample.question)})
+    answers = {}
+    for path in args.paths:
+        answers[path] = run_path(engines["full" if path == "full" else "shadowkv"], path, cases, params)
+        print(f"{task} {length} {path}: " + " ".join(f"{a['score']:.2f}" for a in answers[path]), flush=True)
+    rows = [{"index": i, "prompt_tokens": len(c["ids"]), "doc_tokens": len(c["doc"]),
+             "outputs": list(c["sample"].outputs), **{p: answers[p][i] for p in args.paths}}
+            for i, c in enumerate(cases)]
+    summary = summarize(rows, args.paths)
+    return {"task": task, "length": length, "max_new_tokens": params["max_new_tokens"], "summary": summary,
+            "rows": rows}
+
+
+def summarize(rows: list[dict], paths) -> dict:
+    """RULER's score per path (percent), the same as answers (the sum of per-sample scores: a
+    sample whose answer holds every value counts 1), and token agreement between paths."""
+    out = {"samples": len(rows),
+           "score": {p: round(100 * sum(r[p]["score"] for r in rows) / len(rows), 2) for p in paths},
+           "answers": {p: round(sum(r[p]["score"] for r in rows), 2) for p in paths}}
+    for a, b in (("hit", "cold"), ("cold", "full"), ("hit", "full")):
+        if a in paths and b in paths:
+            out[f"{a}_vs_{b}"] = agreement([r[a]["output_ids"] for r in rows], [r[b]["output_ids"] for r in rows])
+    return out
+
+
+def print_table(result: dict) -> None:
+    paths = result["paths"]
+    print(f"\n{'task':<16} {'len':>5} {'n':>3} " + " ".join(f"{p:>6}" for p in paths)
+          + f" {'hit=cold':>9} {'cold=full':>10}")
+    for block in result["tasks"]:
+        s = block["summary"]
+        agree = [f"{s[k]['token_agreement']:>{w}.3f}" if k in s else f"{'':>{w}}"
+                 for k, w in (("hit_vs_cold", 9), ("cold_vs_full", 10))]
+        print(f"{block['task']:<16} {block['length']:>5} {s['samples']:>3} "
+              + " ".join(f"{s['score'][p]:>6.1f}" for p in paths) + " " + " ".join(agree))
+    print(f"(RULER's score, percent; agreement: greedy tokens equal at equal positions) {result['seconds']} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_flags(ap)
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    ap.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192], help="prompt + answer tokens")
+    ap.add_argument("--samples", type=int, default=12, help="prompts per task and length")
+    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default: RULER's per task)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default="benchmarks/results/ruler.json")
+    ap.add_argument("--table", metavar="JSON", help="print the table of an earlier result and exit")
+    args = ap.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print_table(json.load(f))
+        return
+    # a 4K sample's document is under the default shadowkv_min_context (4096): compress it anyway
+    overrides = {"shadowkv_min_context": MIN_CONTEXT, **engine_overrides(args)}
+    common = engine_kwargs(args, 3 * max(args.lengths))
+    t0 = time.perf_counter()
+    engines = {}
+    try:
+        if "full" in args.paths:
+            engines["full"] = Engine(attention="full", **common)
+        engines["shadowkv"] = Engine(attention="shadowkv", **common, **overrides)  # its config goes in the JSON
+        info = engines["shadowkv"].get_server_info()
+        blocks = []
+        for length in args.lengths:
+            for task in args.tasks:
+                blocks.append(run_task(engines, task, length, args))
+                result = save_result(args.out, info, overrides, paths=args.paths, seed=args.seed,
+                                     seconds=round(time.perf_counter() - t0, 1), tasks=blocks)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    print_table(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""RULER's synthetic tasks (sglang_shadowkv/testing/ruler.py): each generator fills its length with
+the values its answer must hold, deterministically; RULER's scorer gives partial credit; and on a
+short sample a question over its cached compressed document answers as it does cold."""
+
+import collections
+import re
+
+import pytest
+from test_hit_fidelity import ENGINE, cold_and_hit_answers
+
+from benchmarks.hit_fidelity import agreement
+from sglang_shadowkv.testing.ruler import (ANSWER_TOKENS, LOOKALIKE_FACTS, NIAH_TASKS, TASKS, make_sample,
+                                           string_match_all)
+
+LENGTH = 1536
+
+
+@pytest.fixture(scope="module")
+def samples(engine):
+    """(sample, prompt text, prompt length) of each task at LENGTH tokens, sample 0."""
+    out = {}
+    for task in TASKS:
+        sample, ids = make_sample(engine, task, LENGTH, 0)
+        out[task] = (sample, engine.tokenizer.decode(ids), len(ids))
+    return out
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_a_sample_fills_its_length_asks_its_question_and_holds_every_expected_value(engine, samples, task):
+    sample, text, tokens = samples[task]
+    assert 0.9 * (LENGTH - ANSWER_TOKENS[task]) <= tokens <= LENGTH - ANSWER_TOKENS[task]
+    assert text.index(sample.document) < text.index(sample.question) and text.endswith(sample.answer_prefix)
+    assert sample.outputs and all(value in sample.document for value in sample.outputs)
+    again, ids = make_sample(engine, task, LENGTH, 0)
+    assert again == sample and engine.tokenizer.decode(ids) == text  # deterministic
+    assert make_sample(engine, task, LENGTH, 1)[0].outputs != sample.outputs
+
+
+@pytest.mark.parametrize("task", NIAH_TASKS)
+def test_niah_needles_follow_ruler_configurations(samples, task):
+    cfg = NIAH_TASKS[task]
+    sample, _, _ = samples[task]
+    needles = re.findall(r"One of the special magic \w+ for (\S+) is: (\S+)\.", sample.document)
+    keys = collections.Counter(k for k, _ in needles)
+    asked = [k for k in keys if k in sample.question]
+    assert len(asked) == cfg.num_q and sum(keys[k] for k in asked) == cfg.num_q * cfg.num_v
+    assert sorted(v for k, v in needles if k in asked) == sorted(sample.outputs)
+    if cfg.haystack == "needle":  # the haystack is other needles
+        assert len(keys) > 10
+    else:
+        assert len(keys) == max(cfg.num_k, cfg.num_q)
+
+
+def test_variable_tracking_chain_is_in_order_and_every_variable_is_asked(samples):
+    sample, _, _ = samples["vt"]
+    main = sample.document[sample.document.rindex("Memorize and track"):]
+    chain = re.findall(r"VAR (\w+) = (?:VAR (\w+)|(\d+))", main)
+    assert [name for name, _, _ in chain] == list(sample.outputs) and chain[0][2] in sample.question
+    assert all(prev == chain[i][0] for i, (_, prev, _) in enumerate(chain[1:]))
+
+
+def test_word_extraction_answers_are_the_most_frequent_words(samples):
+    cwe, _, _ = samples["cwe"]
+    listed = collections.Counter(re.findall(r"\d+\. (\w+)", cwe.document[cwe.document.rindex("Below is"):]))
+    assert {w for w, _ in listed.most_common(10)} == set(cwe.outputs)
+    assert min(listed[w] for w in cwe.outputs) > max(n for w, n in listed.items() if w not in cwe.outputs)
+    fwe, _, _ = samples["fwe"]
+    counts = collections.Counter(fwe.document.split("words. ", 1)[1].split())
+    assert [w for w, _ in counts.most_common(4)] == ["...", *fwe.outputs]
+
+
+def test_lookalike_facts_share_one_template_and_one_is_asked(samples):
+    sample, _, _ = samples["lookalike"]
+    facts = re.findall(r"The access code for room (\d+) is (\d+)\.", sample.document)
+    assert len(facts) == LOOKALIKE_FACTS and len({v for _, v in facts}) == LOOKALIKE_FACTS
+    assert [v for room, v in facts if f"room {room}?" in sample.question] == list(sample.outputs)
+
+
+def test_string_match_all_is_the_share_of_values_found_case_insensitively():
+    assert string_match_all("They are ABC-1 and 42.", ("abc-1", "42")) == 1.0
+    assert string_match_all("only 42", ("abc-1", "42", "7", "8")) == 0.25
+    assert string_match_all("", ("x",)) == 0.0
+
+
+def test_a_lookalike_question_on_its_cached_compressed_memo_answers_as_it_does_cold():
+    """Three questions of one look-alike memo, each cold, then each over the memo cached compressed."""
+    from sglang_shadowkv import Engine
+
+    engine = Engine(**ENGINE)
+    try:
+        prompts = [make_sample(engine, "lookalike", LENGTH, asked)[1] for asked in range(3)]
+        cold, hit = cold_and_hit_answers(engine, prompts)
+    finally:
+        engine.shutdown()
+    same = agreement(hit, cold)
+    assert same["first_token"] == len(prompts) and same["token_agreement"] >= 0.95, same
