@@ -25,6 +25,7 @@ from .config import LOWRANK_METHODS, ShadowKVConfig
 
 AUTO_EIGH_MAX_DIM = 256
 POWER_ITERATIONS = 4
+FIT_NOISE = 1e-2  # a key's relative rebuild error below this is rounding (bf16, tf32), not a misfit
 
 
 @contextmanager
@@ -169,16 +170,21 @@ def outlier_chunks(min_cos: torch.Tensor, fit_error: torch.Tensor, count: int) -
     """Per KV head the `count` chunks kept exact [H, count]: chunks the compressed form misrepresents.
     Chunk 0 (the attention sink) and, up to half of them, those whose landmark represents their keys
     worst (least min_cos [n, H]: the selection misjudges them); the rest, those whose keys the
-    low-rank basis fits worst (largest fit_error [n, H]: their rebuilt keys are wrong). The energy
-    rule fits the basis to a document's bulk, so rare tokens (a needle, a fact's digits among
-    filler) are rebuilt with several times the error of the rest: on a memo of 12 look-alike facts
-    in 4K tokens every fact chunk is among the 48 worst fitted, while the landmark rule keeps from
-    none to all of them depending on the layer and head, and answers over it changed."""
+    low-rank basis fits worst (largest fit_error [n, H], relative: their rebuilt keys are wrong),
+    then, when fewer chunks than that are fitted worse than FIT_NOISE, by the landmark rule again.
+    The energy rule fits the basis to a document's bulk, so rare tokens (a needle, a fact's digits
+    among filler) are rebuilt with several times the error of the rest: on a memo of 12 look-alike
+    facts in 4K tokens every fact chunk is among the 48 worst fitted, while the landmark rule keeps
+    from none to all of them depending on the layer and head, and answers over it changed. Errors
+    under FIT_NOISE are rounding (a basis of full rank), which must not pick chunks: it differs
+    between a basis of all KV heads and one of a tensor-parallel rank's heads."""
     by_landmark = min_cos.T.clone()
     by_landmark[:, 0] = float("-inf")
     first = by_landmark.topk((count + 1) // 2, dim=1, largest=False).indices
-    by_fit = fit_error.T.float().scatter(1, first, float("-inf"))
-    return torch.cat([first, by_fit.topk(count - first.shape[1], dim=1).indices], 1)
+    error = fit_error.T.float()
+    badness = torch.where(error > FIT_NOISE, 2 + error, -by_landmark)  # fitted worse first, then min_cos
+    rest = badness.scatter(1, first, float("-inf")).topk(count - first.shape[1], dim=1).indices
+    return torch.cat([first, rest], 1)
 
 
 class SegmentCompression:
@@ -251,7 +257,9 @@ class SegmentCompression:
                 low_rank = k_pre @ bases[i].T
                 rebuilt = low_rank @ bases[i]
             pool.write_lowrank(layer, seg, low_rank)
-            fit_error = (k_pre - rebuilt).view(seg.num_chunks, c, h, d).norm(dim=-1).amax(1)  # [n, H]
+            per_head = (seg.num_chunks, c, h, d)  # a key's error relative to its norm, the worst of its chunk
+            error = (k_pre - rebuilt).view(per_head).norm(dim=-1) / k_pre.view(per_head).norm(dim=-1).clamp_min(1e-30)
+            fit_error = error.amax(1)  # [n, H]
             self._write_outliers(layer, k_post, v, outlier_chunks(self.min_cos[i], fit_error, seg.num_outliers))
         seg.stage_ranks()
 
