@@ -139,12 +139,14 @@ class Demoter:
         """Memory is short: the least recently used long dense documents leave the GPU, each where
         the cost rule sends it, until it is not (a move to the host frees its pages at once) or a
         compression job starts."""
+        rates = None  # rank 0's, gathered once (a collective under tensor parallelism)
         while self.job is None and self.wanted(waiting_need):
             found = self._candidate(available_pages)
             if found is None:
                 return
             node, span = found
-            rates = self.tier.rates.agreed(self.tier.runner.tp)
+            if rates is None:
+                rates = self.tier.rates.agreed(self.tier.runner.tp)
             reason = leave_gpu(len(node.key), rates, host_tier=self.tier.to_host is not None)
             if reason == TO_HOST and self.tier.to_host(node):
                 self._count(TO_HOST)

@@ -28,7 +28,7 @@ class LaunchRecord(NamedTuple):
     prompt_tokens: int
     decode_rows: int
     detail: dict | None  # the step log's fields (None: no step log)
-    reads: tuple[int, int]  # (dense KV tokens its decode rows read, rows over compressed chunks)
+    reads: tuple[int, int] | None  # (dense KV tokens its decode rows read, rows over compressed chunks)
 
 
 def step_kind(prompt_items: list[StepItem]) -> str:
@@ -67,7 +67,8 @@ class StepTimes:
         self.counters.suffix_steps += kind == "suffix"
         label = step_label(kind, decode_items, prompt_items)
         self._last = LaunchRecord(kind, label, now, sum(it.num_new for it in prompt_items), len(decode_items),
-                                  detail() if self.log.file else None, decode_reads(decode_items))
+                                  detail() if self.log.file else None,
+                                  decode_reads(decode_items) if self.rates is not None else None)
         started = self.device_timer.start()
         yield
         self.device_timer.stop(label, started)
