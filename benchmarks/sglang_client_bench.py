@@ -48,6 +48,7 @@ WORKLOADS = {
     "docs_32k_8q": dict(groups=8, per_group=8, doc=32768, output=64, concurrency=16),
     "cold_32k": dict(groups=3, per_group=1, doc=32768, output=8, concurrency=1),
     "decode_32k_x8": dict(groups=8, per_group=1, doc=32768, output=256, concurrency=8),
+    "smoke_8k": dict(groups=2, per_group=2, doc=8192, output=16, concurrency=4),  # a model family's GPU check
     "tiny": dict(groups=2, per_group=2, turns=2, doc=600, output=8, concurrency=2),  # seconds on a CPU
 }
 QUESTION_TOKENS = 64
@@ -57,7 +58,8 @@ METRICS = ("duration", "completed", "output_throughput", "total_throughput", "me
 COUNTERS = ("prefill_tokens", "cached_tokens", "decode_steps", "prefill_steps", "suffix_steps", "decode_only_step_ms",
             "suffix_step_ms", "prefill_step_ms", "dense_prefix_hits", "reprefilled_tokens", "compressions",
             "compressed_requests", "compressed_prefix_hits", "demotions", "demoted_tokens", "gpu_value_loads",
-            "gpu_value_drops")
+            "gpu_value_drops", "to_host_reload_cheaper", "compressed_no_room", "compressed_sparse_cheaper",
+            "compressed_decode_pays", "rows_made_sparse")
 
 
 def client_args(workload: dict, url: str, model: str, tokenizer: str, output_file: str) -> list[str]:
@@ -121,7 +123,8 @@ def run_mode(mode: str, args, workdir: Path, profile_dir: Path, saved=lambda res
              "--log-level", "info", *(["--model-path", args.model_path] if args.model_path else []), *args.server_flag]
     started = time.perf_counter()
     result = {"server_flags": flags, "workloads": {}}
-    triton_cache = Path(tempfile.mkdtemp(prefix="sglang-shadowkv-triton-"))  # fresh: compiles while serving show
+    # fresh unless --triton-cache names one: compiles while serving show
+    triton_cache = Path(args.triton_cache or tempfile.mkdtemp(prefix="sglang-shadowkv-triton-"))
     server = LiveServer(*flags, env={"TRITON_CACHE_DIR": str(triton_cache)})
     try:
         server.wait_healthy(args.startup_timeout)
@@ -160,7 +163,8 @@ def run_mode(mode: str, args, workdir: Path, profile_dir: Path, saved=lambda res
     finally:
         result["server_log_tail"] = server.output()[-4000:]
         server.kill_group()
-        shutil.rmtree(triton_cache, ignore_errors=True)
+        if not args.triton_cache:
+            shutil.rmtree(triton_cache, ignore_errors=True)
     return result
 
 
@@ -269,6 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-at", type=float, help="diagnosis: profile the server from this many seconds "
                         "into each workload (its numbers then do not count); the summary goes into the report")
     parser.add_argument("--profile-steps", type=int, default=30, help="steps a --profile-at window records")
+    parser.add_argument("--triton-cache", help="Triton's cache folder, kept (servers started one after another "
+                        "compile what they share once; default: a fresh one per server, removed after it)")
     parser.add_argument("--merge", nargs="+", help="merge these reports (one per mode) instead of running")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)

@@ -18,8 +18,11 @@ import argparse
 import faulthandler
 import json
 import logging
+import multiprocessing
+import os
 import random
 import signal
+import threading
 import time
 
 from sglang_shadowkv import Engine
@@ -35,6 +38,24 @@ def prompts(vocab: int, doc_tokens: int, seed: int = 0) -> tuple[list[int], list
     return doc, questions, batch
 
 
+def dump_if_stuck(seconds: float) -> threading.Timer:
+    """After `seconds`, every process's stacks into the log, then exit: the ranks first (SIGUSR1,
+    their faulthandler), then this one's. A thread, not a signal, so that no handler another
+    library installs can swallow it."""
+    def dump():
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGUSR1)
+        time.sleep(3)
+        print(f"stuck for {seconds:g} s: every thread's stack follows", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(3)
+
+    timer = threading.Timer(seconds, dump)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def run(tp: int, mode: str, args) -> dict:
     flags = dict(model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
                  attention_backend=args.attention_backend, device=args.device, tp_size=tp, attention=mode,
@@ -42,6 +63,7 @@ def run(tp: int, mode: str, args) -> dict:
                  watchdog_timeout=args.watchdog_timeout, **(SHADOWKV if mode == "shadowkv" else {}))
     started = time.perf_counter()
     print(f"{mode} TP={tp}: starting", flush=True)
+    stuck = dump_if_stuck(args.stuck_after)
     with Engine(**flags) as engine:
         startup = time.perf_counter() - started
         print(f"{mode} TP={tp}: started in {startup:.1f} s", flush=True)
@@ -53,6 +75,7 @@ def run(tp: int, mode: str, args) -> dict:
         outs += [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=greedy)]
         info = engine.get_server_info()
         stats = info["stats"]
+        stuck.cancel()
         return {"tp_size": tp, "mode": mode, "startup_s": round(startup, 1), "ranks": info["ranks"],
                 "outputs": outs, "graph_replays": (info["steps"]["cuda_graph"] or {}).get("replays", 0),
                 "eager_steps": info["steps"]["eager_steps"], "device": info["device"],
@@ -79,6 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--log-level", default="warning")
     ap.add_argument("--watchdog-timeout", type=float, default=120.0,
                     help="a step that takes longer ends the run with every rank's stacks in the log")
+    ap.add_argument("--stuck-after", type=float, default=600.0,
+                    help="an engine's start and requests that take longer end the run with every process's stacks")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where a run hangs

@@ -146,20 +146,27 @@ class Engine:
             raise
         bar = tqdm(total=len(reqs), desc="generate", disable=not self.server_args.show_progress)
         pending = {id(r) for r in reqs}
-        watch = self._watchdog.watch if self._watchdog is not None else (lambda what: contextlib.nullcontext())
         while pending:
-            with watch("step"):
+            with self._watch("step"):
                 updates = scheduler.step()
             for update in updates:
                 if update.finished and id(update.req) in pending:
                     pending.discard(id(update.req))
                     bar.update(1)
-        while scheduler.pending is not None and not scheduler.running:
-            scheduler.step()  # the step launched before the last stop was seen: its tokens are dropped
+        with self._watch("the last step"):
+            while scheduler.pending is not None and not scheduler.running:
+                scheduler.step()  # the step launched before the last stop was seen: its tokens are dropped
         if not scheduler.has_work:
-            scheduler.run_when_idle()
+            with self._watch("run_when_idle"):
+                scheduler.run_when_idle()
         bar.close()
         return reqs
+
+    def _watch(self, what: str):
+        """Under tensor parallelism, a call that waits in a collective is watched (a step, the
+        idle-time work, the server info): one that never ends stops the process with every
+        thread's stack in the log."""
+        return self._watchdog.watch(what) if self._watchdog is not None else contextlib.nullcontext()
 
     def _normalize_prompts(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
         if (prompt is None) == (input_ids is None):
@@ -183,12 +190,13 @@ class Engine:
                                                   add_generation_prompt=add_generation_prompt)
 
     def flush_cache(self) -> bool:
-        with self._lock:
+        with self._lock, self._watch("flush_cache"):
             return self.scheduler.flush_cache()
 
     def get_server_info(self) -> dict:
         scheduler = self.scheduler
-        return scheduler.server_info() if isinstance(scheduler, MirroredScheduler) else server_info(scheduler)
+        with self._watch("server_info"):
+            return scheduler.server_info() if isinstance(scheduler, MirroredScheduler) else server_info(scheduler)
 
     def shadowkv_report(self, prompt: str | None = None, input_ids: list[int] | None = None,
                         settings: list[dict] | None = None, num_queries: int = 16) -> list[dict]:

@@ -188,7 +188,7 @@ class ServerArgs:
         settings += [(SHADOWKV_PREFIX + f.name, f) for f in dataclasses.fields(ShadowKVConfig)]
         for name, f in settings:
             flag = "--" + name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
+            help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
             if f.type == "bool":
                 parser.add_argument(flag, action="store_true", help=help_text)
                 continue

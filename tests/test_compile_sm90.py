@@ -19,6 +19,7 @@ from sglang_shadowkv.kernels.chunk_selection import select_decode_chunks
 from sglang_shadowkv.kernels.gather_values import gather_values
 from sglang_shadowkv.kernels.landmark_scores import landmark_logits
 from sglang_shadowkv.kernels.quantize_chunks import quantize_chunks
+from sglang_shadowkv.kernels.ragged_paged_attention import ragged_paged_attention
 from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys
 from sglang_shadowkv.kernels.sparse_decode_attention import sparse_decode_attention
 from sglang_shadowkv.layers.rotary import RotaryEmbedding
@@ -40,6 +41,11 @@ value_jobs = value_seg.chunk_slots[torch.randint(0, 17, (batch, hkv, entries))]
 value_table = torch.tensor(values.kv.alloc(8), dtype=torch.int32).view(2, 4)
 chunk_slots = value_seg.chunk_slots[:17].int().expand(batch, -1).contiguous()
 with compile_only() as compiled:
+    for splits in (1, 3):  # the dense decode step (full attention's, and ShadowKV's dense rows)
+        ragged_paged_attention(torch.randn(batch, hkv * group, head_dim).bfloat16(), kv.k_buffers[0],
+                               kv.v_buffers[0], torch.arange(batch + 1, dtype=torch.int32),
+                               torch.tensor([0, 5, 40, 41], dtype=torch.int32), torch.arange(41, dtype=torch.int32),
+                               head_dim ** -0.5, max_q_len=1, splits=splits)
     quantize_chunks(torch.randn(17 * chunk, hkv + 1, head_dim).bfloat16()[:, :hkv], chunk)  # compression's values
     for live in (None, torch.tensor([2], dtype=torch.int32)):  # an eager step, a CUDA graph's padded one
         q = torch.randn(batch, hkv * group, head_dim).bfloat16()
@@ -73,6 +79,6 @@ def test_decode_kernels_compile_for_sm90_with_the_servers_types():
     done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["_gather_values_kernel", "_landmark_logits_kernel", "_merge_splits_kernel",
+    assert done.stdout.split() == ["_decode_kernel", "_gather_values_kernel", "_landmark_logits_kernel", "_merge_splits_kernel",
                                     "_plan_kernel", "_quantize_chunks_kernel", "_rebuild_keys_kernel",
                                     "_select_kernel", "_sparse_decode_kernel"]

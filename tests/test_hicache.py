@@ -110,3 +110,16 @@ def test_bad_host_tier_flags_are_refused_naming_them(flags, message):
 
     with pytest.raises(ValueError, match=message):
         ServerArgs(enable_hierarchical_cache=True, **flags)
+
+
+def test_help_lists_every_flag_with_its_default(capsys):
+    """--help formats each flag's help with argparse's %-formatting: a '%' in a help text (the host
+    tier's "90% of") once made it a TypeError instead of help."""
+    from sglang_shadowkv.entrypoints.launcher import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "--enable-hierarchical-cache" in text and "90% of the host memory" in text.replace("\n", " ").replace("  ", " ")
+    assert "--shadowkv-compress-policy" in text and "(default: tier)" in text

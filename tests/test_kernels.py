@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from sglang_shadowkv.kernels.key_splits import MAX_SPLITS
 from sglang_shadowkv.kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the same tests run on the lent GPU
@@ -36,6 +37,40 @@ def test_ragged_attention_matches_reference(group, head_dim):
     tol = 1e-4 if DEVICE == "cpu" else 2e-3  # GPU fp32 dots may use TF32
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     torch.testing.assert_close(lse_got, lse_want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("group", [1, 4, 5])
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_decode_batch_matches_reference_however_its_keys_are_split(group, splits):
+    """A decode-only batch (its own kernel): rows of 1 to 300 keys, split more ways than a short
+    row has blocks (splits past its end store nothing), with and without the log-sum-exp."""
+    gen = torch.Generator().manual_seed(group * 10 + splits)
+    q_lens, extra = [1] * 5, [0, 63, 64, 150, 299]
+    q, k, v, q_indptr, kv_indptr, kv_indices = _random_case(gen, group, 48, q_lens, extra, pool_slots=600)
+    scale = 48 ** -0.5
+    lse_got, lse_want = (torch.full((5, 2 * group), float("nan"), device=DEVICE) for _ in range(2))
+    args = (q, k, v, q_indptr, kv_indptr, kv_indices, scale)
+    got = ragged_paged_attention(*args, max_q_len=1, lse=lse_got, splits=splits)
+    want = ragged_paged_attention_reference(*args, lse=lse_want)
+    tol = 1e-4 if DEVICE == "cpu" else 2e-3  # GPU fp32 dots may use TF32
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse_got, lse_want, rtol=tol, atol=tol)
+    torch.testing.assert_close(ragged_paged_attention(*args, max_q_len=1, splits=splits), got)
+    with pytest.raises(ValueError, match="splits"):
+        ragged_paged_attention(*args, max_q_len=1, splits=MAX_SPLITS + 1)
+
+
+def test_decode_batches_split_their_keys_to_fill_the_sms(monkeypatch):
+    import sglang_shadowkv.kernels.ragged_paged_attention as rpa
+
+    monkeypatch.setattr(rpa, "sm_count", lambda device: 132)
+    gpu = torch.device("cuda")
+    assert rpa.decode_key_splits(1, 8, gpu) == 16  # 66 wanted: at most 16
+    assert rpa.decode_key_splits(8, 8, gpu) == 8  # 9 wanted
+    assert rpa.decode_key_splits(8, 4, gpu) == 16  # a tensor-parallel rank's 4 KV heads: 17 wanted
+    assert rpa.decode_key_splits(64, 8, gpu) == 2  # 512 programs: 2 wanted
+    assert rpa.decode_key_splits(128, 8, gpu) == 1  # 1024 programs fill the SMs four times
+    assert rpa.decode_key_splits(8, 8, torch.device("cpu")) == 1
 
 
 def test_reference_is_causal_softmax():

@@ -381,6 +381,27 @@ def test_a_compressed_document_is_shared_by_later_requests(shadow_engine):
     assert agree >= 0.95, (shared["text"], alone["text"])
 
 
+def test_a_prompt_sharing_only_a_short_start_of_a_compressed_document_runs_cold(shadow_engine):
+    """Sharing fewer than min_context (512) tokens of a compressed document is no hit: the prompt
+    runs as it would cold, token for token; sharing more is one."""
+    shadow_engine.flush_cache()
+    doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 21)
+    other, _ = document_and_questions(shadow_engine.tokenizer, 800, 5)
+    sampling = {"max_new_tokens": 16, "temperature": 0}
+    shadow_engine.generate(input_ids=doc + questions[0], sampling_params=sampling)
+    before = counters(shadow_engine)
+    short = shadow_engine.generate(input_ids=doc[:200] + other + questions[1], sampling_params=sampling)
+    after = counters(shadow_engine)
+    assert after["compressed_prefix_hits"] == before["compressed_prefix_hits"]
+    assert short["meta_info"]["cached_tokens"] == 0
+    long = shadow_engine.generate(input_ids=doc[:600] + other + questions[1], sampling_params=sampling)
+    assert counters(shadow_engine)["compressed_prefix_hits"] == after["compressed_prefix_hits"] + 1
+    assert long["meta_info"]["cached_tokens"] >= 592
+    assert_shadow_pools_clean(shadow_engine)  # flushes
+    cold = shadow_engine.generate(input_ids=doc[:200] + other + questions[1], sampling_params=sampling)
+    assert short["output_ids"] == cold["output_ids"]
+
+
 def test_multi_turn_chat_compresses_the_document_once(shadow_engine):
     shadow_engine.flush_cache()
     doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 22)

@@ -348,9 +348,9 @@ def test_half_queries_give_a_float32_output_as_their_float32_values_do(splits):
 
 
 def test_key_splits_fill_idle_sms_in_powers_of_two(monkeypatch):
-    import sglang_shadowkv.kernels.sparse_decode_attention as sda
+    import sglang_shadowkv.kernels.key_splits as sda
 
-    monkeypatch.setattr(sda, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(sda, "sm_count", lambda device: 132)
     gpu = torch.device("cuda")
     assert sda.key_splits(8, 38, gpu) == 8  # 33 wanted, 9 allowed by the blocks: 8
     assert sda.key_splits(8, 200, gpu) == 16  # at most 16
@@ -364,9 +364,10 @@ def test_key_splits_fill_idle_sms_in_powers_of_two(monkeypatch):
 
 
 def test_decode_batches_and_suffix_tiles_take_their_own_launch(monkeypatch):
+    import sglang_shadowkv.kernels.key_splits
     import sglang_shadowkv.kernels.sparse_decode_attention as sda
 
-    monkeypatch.setattr(sda, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(sglang_shadowkv.kernels.key_splits, "sm_count", lambda device: 132)
     gpu = torch.device("cuda")
     # 16 decoding requests, Llama-3.1-8B heads, 48 outliers and 256 entries of 8 tokens: 128-key
     # blocks (3 + 16), split twice; 16 tiles of 64 queries: 64-key blocks on 8 warps, not split

@@ -147,3 +147,16 @@ def test_the_watchdog_ends_a_step_that_never_finishes_naming_the_rank():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert done.returncode == 4 and time.monotonic() - started < 8
     assert "reported: rank 1: step did not finish within 0.3 s (--watchdog-timeout)" in done.stdout
+
+
+def test_the_watchdog_ends_a_call_stuck_holding_the_gil_with_its_stack():
+    """A call stuck in C code that never releases the GIL (here a regex that backtracks for ever)
+    keeps the watchdog's thread from running: faulthandler's C thread ends the process instead."""
+    code = ("import re, time\nfrom sglang_shadowkv.managers.watchdog import StepWatchdog\n"
+            "w = StepWatchdog(0.4, 1)\ntime.sleep(0.5)\n"
+            "def stuck_in_c():\n    re.match(r'(a+)+$', 'a' * 64 + 'b')\n"
+            "with w.watch('step'):\n    stuck_in_c()\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and time.monotonic() - started < 20
+    assert "Timeout" in done.stderr and "stuck_in_c" in done.stderr

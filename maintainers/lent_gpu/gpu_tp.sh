@@ -3,9 +3,11 @@
 #   bash maintainers/lent_gpu/gpu_tp.sh check       # carry .whl-mini .tok: benchmarks/tensor_parallel.py
 #                                                   #   (TP=2 against TP=1 tokens, Triton, float32)
 #   bash maintainers/lent_gpu/gpu_tp.sh install1    # carry .whl-fi1: FlashInfer's wheel (62 MB: a call of its own)
-#   bash maintainers/lent_gpu/gpu_tp.sh tp8b        # carry .whl-fi2 .whl-srv .whl-bench .sglmin .tok (within
+#   bash maintainers/lent_gpu/gpu_tp.sh allreduce   # benchmarks/all_reduce.py over every GPU (no carry)
+#   bash maintainers/lent_gpu/gpu_tp.sh tp8b        # carry .whl-srv .whl-bench .sglmin .tok (and .whl-fi2 within
 #                                                   #   30 s of install1: /tmp stays): 8B shape, TP=1 on GPU 0
-#                                                   #   beside TP=2 on GPUs 1-2, full attention, SGLang's client
+#                                                   #   beside TP=2 on GPUs 1-2 (after it, on a 2-GPU machine),
+#                                                   #   full attention, SGLang's client
 #   WT=300 bash maintainers/lent_gpu/gpu_tp.sh 70b TP WORKLOADS...   # carry .whl-srv .whl-bench .sglmin .tok:
 #                                                   #   70B shape, full attention on the first TP GPUs beside
 #                                                   #   ShadowKV on the next TP (WT: each workload's time limit)
@@ -41,15 +43,20 @@ case "$1" in
     shift
     python3 benchmarks/tensor_parallel.py --tokenizer-path .tok --out "$OUT/tensor_parallel_check.json" \
       --log-level info "$@" > "$OUT/tensor_parallel_check.log" 2>&1 &
-    pid=$!; for _ in $(seq 200); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+    pid=$!; for _ in $(seq ${CHECK_S:-200}); do kill -0 $pid 2>/dev/null || break; sleep 1; done
     if kill -0 $pid 2>/dev/null; then  # a hang: every process's stacks into the log, then stop
       pkill -USR1 -f "tensor_parallel.py|spawn_main"; sleep 3; pkill -9 -f "tensor_parallel.py|spawn_main"; fi
     wait $pid; echo "check rc=$?"; grep -v "Warning\|warn(" "$OUT/tensor_parallel_check.log" | tail -60 ;;
-  tp8b)
-    [ -d /tmp/site/flashinfer ] || { echo "FlashInfer is missing: run install1 first (carry .whl-fi1)"; exit 3; }
-    [ -d /tmp/site/fastapi ] || pipi .whl-fi2/*.whl .whl-srv/*.whl .whl-bench/*.whl
+  allreduce)
+    nvidia-smi topo -m | head -6
+    python3 benchmarks/all_reduce.py --world-size "$(nvidia-smi -L | wc -l)" --out "$OUT/all_reduce.json" ;;
+  tp8b)  # FlashInfer if install1 ran (then carry .whl-fi2 too), else the Triton backend at both sizes
+    [ -d /tmp/site/fastapi ] || pipi .whl-srv/*.whl
+    [ -d /tmp/site/pybase64 ] || pipi .whl-bench/*.whl
+    [ -d /tmp/site/flashinfer ] && [ ! -d /tmp/site/tvm_ffi ] && pipi .whl-fi2/*.whl
     bench 0 full random:llama-3.1-8b 1 tp1_8b decode_32k_x8 cold_32k
-    bench 1,2 full random:llama-3.1-8b 2 tp2_8b decode_32k_x8 cold_32k
+    [ "$(nvidia-smi -L | wc -l)" -lt 3 ] && wait  # two GPUs: TP=2 after TP=1, not beside it
+    bench "$( [ "$(nvidia-smi -L | wc -l)" -lt 3 ] && echo 0,1 || echo 1,2)" full random:llama-3.1-8b 2 tp2_8b decode_32k_x8 cold_32k
     wait; tail -n 4 "$OUT"/tp1_8b.log "$OUT"/tp2_8b.log ;;
   70b)  # FlashInfer if install1 ran (then carry .whl-fi2 too), else both modes on the Triton backend
     [ -d /tmp/site/fastapi ] || pipi .whl-srv/*.whl

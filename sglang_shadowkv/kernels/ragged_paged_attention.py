@@ -6,6 +6,12 @@ query j sees keys 0 .. kv_len - q_len + j. One kernel covers a prefill chunk ove
 a decode step (q_len = 1) and a mix of both. GQA: query head h reads KV head h // (Hq // Hkv).
 With `lse` [T, Hq] float32 the log-sum-exp of each query head's scores is stored too, so that a
 partial attention (a suffix over its own tokens) can be merged with another over other keys.
+
+A decode-only batch takes its own kernel: one program per request and KV head serves all of that
+head's query heads (each key read once, not once per query head), and each request's keys are
+split among several programs (key_splits.py), so that a few long rows still keep every SM
+reading. Walking 32K keys in one program per query head made an 8B-shape decode step take about
+52 ms on an H200 whatever its rows or tensor-parallel size (benchmarks/results/tp_8b_h200x2.json).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import triton
 import triton.language as tl
 
 from sglang_shadowkv.kernels.head_dims import dim_pad, head_dims
+from sglang_shadowkv.kernels.key_splits import MAX_SPLITS, merge_splits, sm_count
 
 
 def ragged_paged_attention_reference(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale,
@@ -71,6 +78,26 @@ def causal_attention(q, k, v, sm_scale, hidden=None):
 
 
 @triton.jit
+def _attend_block(q, K, V, slot, n_valid, visible, kv_head, m_i, l_i, acc, sm_scale,
+                  stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok):
+    """One block of keys (pool slots `slot`, `n_valid` of them real) folded into the running
+    softmax (m_i, l_i, acc) of q's rows; `visible` [rows, keys] is what each row may see."""
+    k = tl.load(K + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                mask=n_valid[None, :] & d_ok[:, None], other=0.0)
+    s = tl.dot(q, k).to(tl.float32) * sm_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                mask=n_valid[:, None] & d_ok[None, :], other=0.0)
+    # p stays float32 (a tf32 product on GPU): rounding it to bf16 costs ~1e-2 of logit accuracy
+    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _ragged_attention_kernel(
     Q, K, V, O, LSE, q_indptr, kv_indptr, kv_indices, sm_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
@@ -100,20 +127,9 @@ def _ragged_attention_kernel(
             offs_n = n + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_len
             slot = tl.load(kv_indices + kv_start + offs_n, mask=n_valid, other=0).to(tl.int64)
-            k = tl.load(K + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                        mask=n_valid[None, :] & d_ok[:, None], other=0.0)
-            s = tl.dot(q, k).to(tl.float32) * sm_scale
             visible = (offs_n[None, :] <= prefix + offs_m[:, None]) & n_valid[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=n_valid[:, None] & d_ok[None, :], other=0.0)
-            # p stays float32 (a tf32 product on GPU): rounding it to bf16 costs ~1e-2 of logit accuracy
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q, K, V, slot, n_valid, visible, kv_head, m_i, l_i, acc, sm_scale,
+                                          stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok)
         out = acc / l_i[:, None]
         tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=m_valid[:, None] & d_ok[None, :])
@@ -122,8 +138,10 @@ def _ragged_attention_kernel(
 
 
 def ragged_paged_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale,
-                           max_q_len: int | None = None, lse=None):
-    """Triton version of `ragged_paged_attention_reference` (same arguments)."""
+                           max_q_len: int | None = None, lse=None, splits: int | None = None):
+    """Triton version of `ragged_paged_attention_reference` (same arguments). With max_q_len 1
+    (a decode-only batch), `splits` (default: `decode_key_splits`) divides each request's keys
+    among that many programs."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     batch = q_indptr.numel() - 1
@@ -131,11 +149,13 @@ def ragged_paged_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, s
         max_q_len = int((q_indptr[1:] - q_indptr[:-1]).max()) if batch else 0
     if batch == 0 or max_q_len == 0:
         return out
+    if lse is not None and (lse.shape != (num_tokens, num_heads) or lse.stride(1) != 1 or lse.dtype != torch.float32):
+        raise ValueError(f"lse must be a float32 [{num_tokens}, {num_heads}] tensor, contiguous over heads")
+    if max_q_len == 1:
+        return _decode_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale, out, lse, splits)
     block_m = 16 if max_q_len <= 16 else 64
     block_n = 64 if dim_pad(head_dim) <= 64 else 32
     grid = (batch, num_heads, triton.cdiv(max_q_len, block_m))
-    if lse is not None and (lse.shape != (num_tokens, num_heads) or lse.stride(1) != 1 or lse.dtype != torch.float32):
-        raise ValueError(f"lse must be a float32 [{num_tokens}, {num_heads}] tensor, contiguous over heads")
     _ragged_attention_kernel[grid](
         q, k_pool, v_pool, out, out if lse is None else lse, q_indptr, kv_indptr, kv_indices, sm_scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
@@ -145,3 +165,90 @@ def ragged_paged_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, s
         STORE_LSE=lse is not None,
     )
     return out
+
+
+DECODE_KEYS_PER_BLOCK = 64
+
+
+DECODE_PROGRAMS_PER_SM = 4
+
+
+def decode_key_splits(requests: int, kv_heads: int, device: torch.device) -> int:
+    """A decode batch's key splits: about DECODE_PROGRAMS_PER_SM programs per SM, at most
+    MAX_SPLITS, a power of two; 1 on a CPU. One count per batch size, whatever its rows' lengths,
+    so that a CUDA graph captured for a batch size serves every step of it; a split past a short
+    row's end stores nothing but -inf."""
+    if device.type != "cuda":
+        return 1
+    wanted = max(1, min(MAX_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * sm_count(device), requests * kv_heads)))
+    return 1 << (wanted.bit_length() - 1)
+
+
+def _decode_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale, out, lse, splits):
+    """Each request's one query token over its keys, split `splits` ways, merged."""
+    num_tokens, num_heads, head_dim = q.shape
+    batch, kv_heads = q_indptr.numel() - 1, k_pool.shape[1]
+    if splits is None:
+        splits = decode_key_splits(batch, kv_heads, q.device)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
+    if splits > 1:  # partial outputs and log-sum-exps per split, merged below
+        dest = torch.empty(splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        dest_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+        strides = (dest.stride(1), dest.stride(2), dest.stride(0), dest_lse.stride(1), dest_lse.stride(0))
+    else:
+        dest, dest_lse = out, out if lse is None else lse  # (LSE unwritten without lse)
+        strides = (out.stride(0), out.stride(1), 0, 0 if lse is None else lse.stride(0), 0)
+    group = num_heads // kv_heads
+    _decode_kernel[(batch, kv_heads, splits)](
+        q, k_pool, v_pool, dest, dest_lse, q_indptr, kv_indptr, kv_indices, sm_scale,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), *strides,
+        splits, lse is not None or splits > 1, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad(head_dim), BLOCK_N=DECODE_KEYS_PER_BLOCK)
+    if splits > 1:
+        merge_splits(dest, dest_lse, out, lse)
+    return out
+
+
+@triton.jit(do_not_specialize=["SPLITS", "STORE_LSE"])
+def _decode_kernel(
+    Q, K, V, O, LSE, q_indptr, kv_indptr, kv_indices, sm_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_os,
+    stride_lt, stride_ls, SPLITS, STORE_LSE,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (request, KV head, split): the GROUP query heads of the request's token over the
+    split's share of its keys (whole blocks); its output and log-sum-exp go to split `split`'s
+    place (O and LSE themselves without splits). A split with no keys stores 0 and -inf."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    token = tl.load(q_indptr + req)
+    kv_start = tl.load(kv_indptr + req)
+    kv_len = tl.load(kv_indptr + req + 1) - kv_start
+    per = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+    lo = tl.minimum(split * per, kv_len)
+    hi = tl.minimum(lo + per, kv_len)
+    offs_g = tl.arange(0, GROUP_PAD)
+    g_ok = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    offs_d, d_ok = head_dims(HEAD_DIM, DIM_PAD)
+    q = tl.load(Q + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for n in range(lo, hi, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        slot = tl.load(kv_indices + kv_start + offs_n, mask=n_valid, other=0).to(tl.int64)
+        m_i, l_i, acc = _attend_block(q, K, V, slot, n_valid, n_valid[None, :], kv_head, m_i, l_i, acc, sm_scale,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok)
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    tl.store(O + split * stride_os + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    if STORE_LSE:
+        tl.store(LSE + split * stride_ls + token * stride_lt + heads,
+                 tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i))), mask=g_ok)

@@ -5,6 +5,11 @@ parted, it would wait for ever. A thread watches each scheduler call (a step, a 
 runs past the timeout is reported, naming the rank and the call, to whoever started the process,
 with every thread's stack in the log, and the process exits, so the server stops with that
 message instead of hanging.
+
+That thread needs the GIL, and a call stuck in C code that holds it (a blocking device-to-host
+copy waiting on a collective that never completes) keeps it from ever running: then a C thread of
+faulthandler's, which the watchdog re-arms whenever it runs, dumps every stack and exits the
+process once the watchdog has not run for twice the timeout.
 """
 
 from __future__ import annotations
@@ -38,8 +43,12 @@ class StepWatchdog:
             self._current = None
 
     def _run(self) -> None:
+        armed = float("-inf")
         while True:
             time.sleep(min(1.0, self.timeout_s / 4))
+            if time.monotonic() - armed > self.timeout_s / 2:  # the dead man's switch, pushed back
+                faulthandler.dump_traceback_later(2 * self.timeout_s, exit=True)
+                armed = time.monotonic()
             current = self._current
             if current is not None and time.monotonic() - current[0] > self.timeout_s:
                 message = (f"rank {self.rank}: {current[1]} did not finish within {self.timeout_s:g} s "

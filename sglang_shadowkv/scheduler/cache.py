@@ -146,6 +146,8 @@ class CacheManager:
         wait, for memory or for a demotion that makes room without dropping a document).
         long_demand: tokens of the long documents asked for at once (the compressed tier's rule)."""
         match = self.tree.match_prefix(req.input_ids[:prefix_match_limit(req)])
+        if self.compressed is not None:
+            match = self.compressed.trim_match(match)
         self.tree.lock(match.node)
         need = self.pages_for(req.max_total_len) - len(match.pages)
         if self.host is not None and not self._load_from_host(match, need):
