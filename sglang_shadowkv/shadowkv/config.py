@@ -49,7 +49,8 @@ class ShadowKVConfig:
                                  "chunks holding --shadowkv-top-p of the score mass) or a fixed fraction of the context")
     min_budget_chunks: int = _field(32, "floor of the selection budget in chunks")
     local_window: int = _field(64, "most recent prompt tokens kept dense")
-    min_context: int = _field(4096, "prompts shorter than this stay dense: compression does not pay")
+    min_context: int = _field(4096, "prompts shorter than this stay dense: compression does not pay; a "
+                                  "shorter match of a compressed document is no hit (the prompt runs cold)")
     lowrank_method: str = _field("auto", "auto (eigh up to 256 key dims, else subspace), eigh or subspace "
                                  "(top eigenvectors of the Gram matrix) or svd (the paper's)")
     value_dtype: str = _field("auto", "host values: auto (int8 on a GPU, the model dtype on a CPU), model, or int8 "
