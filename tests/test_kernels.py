@@ -61,16 +61,16 @@ def test_decode_batch_matches_reference_however_its_keys_are_split(group, splits
 
 
 def test_decode_batches_split_their_keys_to_fill_the_sms(monkeypatch):
-    import sglang_shadowkv.kernels.ragged_paged_attention as rpa
+    import sglang_shadowkv.kernels.key_splits as ks
 
-    monkeypatch.setattr(rpa, "sm_count", lambda device: 132)
+    monkeypatch.setattr(ks, "sm_count", lambda device: 132)
     gpu = torch.device("cuda")
-    assert rpa.decode_key_splits(1, 8, gpu) == 16  # 66 wanted: at most 16
-    assert rpa.decode_key_splits(8, 8, gpu) == 8  # 9 wanted
-    assert rpa.decode_key_splits(8, 4, gpu) == 16  # a tensor-parallel rank's 4 KV heads: 17 wanted
-    assert rpa.decode_key_splits(64, 8, gpu) == 2  # 512 programs: 2 wanted
-    assert rpa.decode_key_splits(128, 8, gpu) == 1  # 1024 programs fill the SMs four times
-    assert rpa.decode_key_splits(8, 8, torch.device("cpu")) == 1
+    assert ks.decode_key_splits(1, 8, gpu) == 16  # 66 wanted: at most 16
+    assert ks.decode_key_splits(8, 8, gpu) == 8  # 9 wanted
+    assert ks.decode_key_splits(8, 4, gpu) == 16  # a tensor-parallel rank's 4 KV heads: 17 wanted
+    assert ks.decode_key_splits(64, 8, gpu) == 2  # 512 programs: 2 wanted
+    assert ks.decode_key_splits(128, 8, gpu) == 1  # 1024 programs fill the SMs four times
+    assert ks.decode_key_splits(8, 8, torch.device("cpu")) == 1
 
 
 def test_reference_is_causal_softmax():

@@ -54,9 +54,10 @@ case "$1" in
     [ -d /tmp/site/fastapi ] || pipi .whl-srv/*.whl
     [ -d /tmp/site/pybase64 ] || pipi .whl-bench/*.whl
     [ -d /tmp/site/flashinfer ] && [ ! -d /tmp/site/tvm_ffi ] && pipi .whl-fi2/*.whl
+    gpus=1,2
     bench 0 full random:llama-3.1-8b 1 tp1_8b decode_32k_x8 cold_32k
-    [ "$(nvidia-smi -L | wc -l)" -lt 3 ] && wait  # two GPUs: TP=2 after TP=1, not beside it
-    bench "$( [ "$(nvidia-smi -L | wc -l)" -lt 3 ] && echo 0,1 || echo 1,2)" full random:llama-3.1-8b 2 tp2_8b decode_32k_x8 cold_32k
+    [ "$(nvidia-smi -L | wc -l)" -lt 3 ] && { wait; gpus=0,1; }  # two GPUs: TP=2 after TP=1, not beside it
+    bench $gpus full random:llama-3.1-8b 2 tp2_8b decode_32k_x8 cold_32k
     wait; tail -n 4 "$OUT"/tp1_8b.log "$OUT"/tp2_8b.log ;;
   70b)  # FlashInfer if install1 ran (then carry .whl-fi2 too), else both modes on the Triton backend
     [ -d /tmp/site/fastapi ] || pipi .whl-srv/*.whl

@@ -32,8 +32,26 @@ def key_splits(programs: int, key_blocks: int, device: torch.device, least: int 
     if device.type != "cuda":
         return 1
     wanted = least if 2 * programs > sm_count(device) else triton.cdiv(2 * sm_count(device), programs)
-    wanted = max(1, min(MAX_SPLITS, wanted, key_blocks // MIN_BLOCKS_PER_SPLIT))
-    return 1 << (wanted.bit_length() - 1)
+    return _power_of_two_at_most(min(MAX_SPLITS, wanted, key_blocks // MIN_BLOCKS_PER_SPLIT))
+
+
+DECODE_PROGRAMS_PER_SM = 4
+
+
+def decode_key_splits(requests: int, kv_heads: int, device: torch.device) -> int:
+    """A dense decode batch's key splits (ragged_paged_attention.py): about DECODE_PROGRAMS_PER_SM
+    programs per SM, at most MAX_SPLITS, a power of two; 1 on a CPU. One count per batch size,
+    whatever its rows' lengths, so that a CUDA graph captured for a batch size serves every step
+    of it; a split past a short row's end stores nothing but -inf."""
+    if device.type != "cuda":
+        return 1
+    return _power_of_two_at_most(min(MAX_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * sm_count(device),
+                                                             requests * kv_heads)))
+
+
+def _power_of_two_at_most(wanted: int) -> int:
+    """The largest power of two not above wanted (1 for wanted below 1)."""
+    return 1 << (max(1, wanted).bit_length() - 1)
 
 
 @functools.cache

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from sglang_shadowkv.kernels.head_dims import dim_pad, head_dims
-from sglang_shadowkv.kernels.key_splits import MAX_SPLITS, merge_splits, sm_count
+from sglang_shadowkv.kernels.key_splits import MAX_SPLITS, decode_key_splits, merge_splits
 
 
 def ragged_paged_attention_reference(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale,
@@ -168,20 +168,6 @@ def ragged_paged_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, s
 
 
 DECODE_KEYS_PER_BLOCK = 64
-
-
-DECODE_PROGRAMS_PER_SM = 4
-
-
-def decode_key_splits(requests: int, kv_heads: int, device: torch.device) -> int:
-    """A decode batch's key splits: about DECODE_PROGRAMS_PER_SM programs per SM, at most
-    MAX_SPLITS, a power of two; 1 on a CPU. One count per batch size, whatever its rows' lengths,
-    so that a CUDA graph captured for a batch size serves every step of it; a split past a short
-    row's end stores nothing but -inf."""
-    if device.type != "cuda":
-        return 1
-    wanted = max(1, min(MAX_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * sm_count(device), requests * kv_heads)))
-    return 1 << (wanted.bit_length() - 1)
 
 
 def _decode_attention(q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, sm_scale, out, lse, splits):
