@@ -7,8 +7,10 @@ Llama-3.1-8B-shaped attention (32 query heads, 8 KV heads, head dim 128, bf16), 
   3. one decode layer: ShadowKV (scores, top-k, chunk cache, rebuild + fetch, sparse attention;
      timed as a CUDA-graph replay, as the server runs it: eagerly its ~30 launches would time the
      host) against full attention (FlashInfer decode if importable, else the Triton paged kernel;
-     one or two launches, eagerly) at 32K and 128K context, batch 1..48, with the chunk-cache hit
-     rate of drifting queries;
+     one or two launches, eagerly) at 32K and 128K context, batch 1..48, values on the GPU or in
+     host memory, values and landmarks stored as served (int8 on a GPU), with the chunk-cache hit
+     rate of drifting or independent queries, each kernel's device time, and both paths against
+     their floors (their least bytes over the HBM and PCIe bandwidths measured in the same run);
   4. the sparse attention kernel alone, its keys split among programs or not (decode batches and
      suffix tiles);
   5. prefill compression of one layer against the dense prefill of that layer (32K, 128K), and
@@ -43,7 +45,7 @@ from sglang_shadowkv.kernels.ragged_paged_attention import (  # noqa: E402
     ragged_paged_attention, ragged_paged_attention_reference)
 from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys, rebuild_keys_reference  # noqa: E402
 from sglang_shadowkv.layers.rotary import RotaryEmbedding  # noqa: E402
-from sglang_shadowkv.mem_cache.compressed_layout import segment_pages, slot_layout  # noqa: E402
+from sglang_shadowkv.mem_cache.compressed_layout import element_size, segment_pages, slot_layout  # noqa: E402
 from sglang_shadowkv.mem_cache.compressed_pool import Segment, ShadowKVPool  # noqa: E402
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool  # noqa: E402
 from sglang_shadowkv.shadowkv.compress import SegmentCompression, compress_layer, low_rank_basis  # noqa: E402
@@ -81,27 +83,41 @@ def timeit(fn, reps: int = 20, warmup: int = 3) -> float:
 
 
 def segment_store(num_segments: int, tokens: int, outliers: int, scratch_pages: int, layers: int = 1,
-                  storage: torch.dtype = DT) -> tuple[ShadowKVPool, list[Segment]]:
+                  storage: torch.dtype = DT, spare_pages: int = 0) -> tuple[ShadowKVPool, list[Segment]]:
     """A compressed pool (one layer unless told) inside a dense pool of its own, just big enough for
-    num_segments segments of `tokens` tokens (from position 0), allocated, and scratch_pages pages
-    of chunk-cache scratch; values and landmarks stored as `storage`."""
+    num_segments segments of `tokens` tokens (from position 0), allocated, scratch_pages pages of
+    chunk-cache scratch and spare_pages more (GPU values); values and landmarks stored as `storage`."""
     n = tokens // CHUNK
     layout = slot_layout(CHUNK, HKV, D, RANK, DT, storage, storage)
-    pages = num_segments * segment_pages(layout, n, outliers, RANK, CHUNK) + scratch_pages + 2  # + page 0, null page
+    pages = (num_segments * segment_pages(layout, n, outliers, RANK, CHUNK) + scratch_pages + spare_pages
+             + 2)  # + page 0, null page
     store = ShadowKVPool(PagedKVPool(pages, CHUNK, layers, HKV, D, DT, DEV), RANK, num_segments * n, num_segments,
                          value_dtype=storage, landmark_dtype=storage)
     return store, [store.alloc_segment(0, tokens, outliers) for _ in range(num_segments)]
 
 
 def random_segments(num_segments: int, tokens: int, cfg: ShadowKVConfig, rotary: RotaryEmbedding,
-                    gen: torch.Generator, scratch_pages: int) -> tuple[ShadowKVPool, list[Segment]]:
+                    gen: torch.Generator, scratch_pages: int, values_on_gpu: bool = False,
+                    storage: torch.dtype = DT) -> tuple[ShadowKVPool, list[Segment]]:
     """segment_store's segments, each compressed as the engine does (compress_layer, cfg's rank and
-    outliers) from i.i.d. random keys and values."""
-    store, segs = segment_store(num_segments, tokens, cfg.num_outliers(tokens // CHUNK), scratch_pages)
+    outliers) from i.i.d. random keys and values; values_on_gpu: each also given its GPU values, as
+    the server does while memory allows (else they are read from pinned host memory)."""
+    n = tokens // CHUNK
+    chunks_per_page = 2 * element_size(DT) // element_size(storage)  # (a page's K and V memory)
+    spare = num_segments * -(-n // chunks_per_page) if values_on_gpu else 0
+    store, segs = segment_store(num_segments, tokens, cfg.num_outliers(n), scratch_pages, storage=storage,
+                                spare_pages=spare)
     for seg in segs:
         k, v = (torch.randn(tokens, HKV, D, dtype=DT, device=DEV, generator=gen) for _ in range(2))
         compress_layer(store, seg, 0, k, v, rotary, cfg)
     store.wait_host_writes()
+    if values_on_gpu:
+        def never(pages: int) -> None:
+            raise RuntimeError(f"the bench's pool is {pages} pages short: it holds exactly what it lends")
+
+        store.kv.reclaim = never  # lending needs a hook; spare_pages leaves nothing to reclaim
+        if not all(store.load_values(seg) for seg in segs):
+            raise RuntimeError("the bench's pool has too few pages for the segments' GPU values")
     return store, segs
 
 
@@ -200,14 +216,70 @@ def full_attention_fn(batch: int, context: int, kv_pool: PagedKVPool, q: torch.T
         return "triton", lambda: ragged_paged_attention(*args, max_q_len=1)
 
 
-def decode_layer(context: int, batches: list[int], steps: int, window: int) -> list[dict]:
+def hbm_copy_GBps() -> float:
+    """The device's copy bandwidth (bytes read + written per second) on a 1 GiB tensor: the limit
+    the decode layer's bytes are held against, measured in the same run."""
+    src = torch.empty(1 << 29 if CUDA else 1 << 22, dtype=torch.int16, device=DEV)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / timeit(lambda: dst.copy_(src)) / 1e9
+
+
+def sparse_row_bytes(context: int, chunks: float, outliers: int, window: int, hit_rate: float, rank: int,
+                     values_on_gpu: bool, storage: torch.dtype) -> dict:
+    """The least bytes one compressed row's decode layer moves (DESIGN.md §2, decode steps 1-5), by
+    kernel: the landmarks read (stored as `storage`, int8 with a float32 scale per chunk and KV
+    head); per missed chunk its low-rank rows read and its keys written, its values read (stored as
+    `storage`, from HBM or over PCIe) and written; then the attention's read of every attended key
+    and value. Against a dense row's read of all its keys and values."""
+    elt, stored, n = element_size(DT), element_size(storage), context // CHUNK
+    scale = 4 if storage == torch.int8 else 0
+    misses = (1 - hit_rate) * chunks * HKV
+    block = CHUNK * D * elt  # one chunk of one KV head, keys or values
+    values_read = misses * (CHUNK * D * stored + scale)
+    parts = {"landmarks": n * HKV * (D * stored + scale),
+             "rebuild": misses * (CHUNK * rank * elt + block),
+             "gather": misses * block + (values_read if values_on_gpu else 0),
+             "attention": 2 * (chunks + outliers) * HKV * block + 2 * window * HKV * D * elt}
+    return {"hbm_bytes": parts, "pcie_bytes": 0 if values_on_gpu else values_read,
+            "dense_bytes": 2 * context * HKV * D * elt}
+
+
+def pinned_h2d_GBps() -> float:
+    """Pinned host-to-device copy bandwidth on 256 MiB (the PCIe limit of host-resident values)."""
+    if not CUDA:
+        return 1.0
+    src = torch.empty(1 << 27, dtype=torch.int16).pin_memory()
+    dst = torch.empty(src.shape, dtype=src.dtype, device=DEV)
+    return src.numel() * src.element_size() / timeit(lambda: dst.copy_(src, non_blocking=True)) / 1e9
+
+
+def decode_layers(contexts: list[int], batches: list[int], homes: list[str], drifts: list[float]) -> dict:
+    """decode_layer at every context, value home and query drift, with the bandwidths its floors
+    are held to."""
+    hbm, pcie = hbm_copy_GBps(), pinned_h2d_GBps()
+    rows = [r for c in contexts for home in homes for drift in drifts
+            for r in decode_layer(c, batches, 8, 72, home == "gpu", hbm, pcie, drift)]
+    return {"hbm_copy_GBps": hbm, "pinned_h2d_GBps": pcie, "rows": rows}
+
+
+def decode_layer(context: int, batches: list[int], steps: int, window: int, values_on_gpu: bool,
+                 hbm_GBps: float, pcie_GBps: float, drift_by: float = 0.35) -> list[dict]:
+    """One decode layer, ShadowKV against full attention, per batch size, values and landmarks
+    stored as the server stores them by default (int8 on a GPU); with the device time of the
+    sparse step's kernels (profiled eagerly) and its floor: its least bytes (sparse_row_bytes, at
+    the measured chunk-cache hit rate and mean chunks selected) over the measured HBM copy
+    bandwidth, or PCIe's when the host's values take longer. drift_by: how far each step's query
+    moves from the last (0.35: about the paper's 60% chunk-cache hits; large: independent queries,
+    as a model with random weights makes)."""
     max_b = max(batches)
     cfg = ShadowKVConfig(rank=RANK, outliers=48, budget=min(1.0, 256 / (context // CHUNK)), min_budget_chunks=1,
                          max_requests=max_b)
     n = context // CHUNK
     gen = torch.Generator(device=DEV).manual_seed(0)
     rotary = RotaryEmbedding(D, 500000.0, context + window + steps + 8).to(DEV)
-    store, segs = random_segments(max_b, context, cfg, rotary, gen, max_b * cfg.budget_chunks(n))
+    storage = torch.int8 if CUDA else DT
+    store, segs = random_segments(max_b, context, cfg, rotary, gen, max_b * cfg.budget_chunks(n), values_on_gpu,
+                                  storage)
     decoder = SparseDecoder(store, cfg, rotary, max_b, n, CUDA)  # its rows' pages: budget_chunks(n) each
     # dense pool: the full KV of every request (the full-attention baseline) + each one's window
     kv_pool = PagedKVPool(max_b * (context + window) // CHUNK + 2, CHUNK, 1, HKV, D, DT, DEV)
@@ -226,7 +298,7 @@ def decode_layer(context: int, batches: list[int], steps: int, window: int) -> l
         q = torch.randn(batch, HQ, D, dtype=DT, device=DEV, generator=gen)
         drift = [q]
         for _ in range(steps):  # consecutive decode queries are correlated, as in real text
-            drift.append(F.normalize(drift[-1].float() + 0.35 * torch.randn_like(q, dtype=torch.float32), dim=-1)
+            drift.append(F.normalize(drift[-1].float() + drift_by * torch.randn_like(q, dtype=torch.float32), dim=-1)
                          .mul(D ** 0.5).to(DT))
         decoder.hits.zero_()
         for qi in drift:
@@ -234,6 +306,11 @@ def decode_layer(context: int, batches: list[int], steps: int, window: int) -> l
         hits, lookups = decoder.hits[:batch].sum(0).tolist()
         it = iter(range(10 ** 9))
         q_in = drift[0].clone()  # a graph reads its query from one buffer: each timed step copies the next in
+
+        def eager_step():
+            q_in.copy_(drift[next(it) % len(drift)])
+            decoder.attend(q_in, 0, plan, kv_pool)
+
         layer_step = replayed(lambda: decoder.attend(q_in, 0, plan, kv_pool))
 
         def shadow_step():
@@ -241,11 +318,21 @@ def decode_layer(context: int, batches: list[int], steps: int, window: int) -> l
             layer_step()
 
         t_shadow = timeit(shadow_step)
+        kernels = kernel_times(eager_step, top=12)
         name, full_fn = full_attention_fn(batch, context, kv_pool, q)
         t_full = timeit(full_fn)
-        rows.append({"context": context, "batch": batch, "shadowkv_ms": t_shadow * 1e3,
-                     "full_ms": t_full * 1e3, "full_backend": name, "speedup": t_full / t_shadow,
-                     "chunk_cache_hit_rate": hits / max(1, lookups)})
+        hit_rate = hits / max(1, lookups)
+        chunks = decoder.budget_stats()["mean_chunks"]
+        need = sparse_row_bytes(context, chunks, cfg.num_outliers(n), window, hit_rate, RANK, values_on_gpu, storage)
+        floor_s = batch * max(sum(need["hbm_bytes"].values()) / (hbm_GBps * 1e9), need["pcie_bytes"] / (pcie_GBps * 1e9))
+        dense_floor_s = batch * need["dense_bytes"] / (hbm_GBps * 1e9)
+        rows.append({"context": context, "batch": batch, "values": "gpu" if values_on_gpu else "host",
+                     "storage": str(storage).removeprefix("torch."), "query_drift": drift_by,
+                     "shadowkv_ms": t_shadow * 1e3, "full_ms": t_full * 1e3, "full_backend": name,
+                     "speedup": t_full / t_shadow, "chunk_cache_hit_rate": hit_rate, "mean_chunks": chunks,
+                     "shadowkv_floor_ms": floor_s * 1e3, "shadowkv_vs_floor": t_shadow / floor_s,
+                     "full_floor_ms": dense_floor_s * 1e3, "full_vs_floor": t_full / dense_floor_s,
+                     "row_bytes": need, "kernels": kernels})
         for r in reqs:
             decoder.free_row(r.scratch_row)
     return rows
@@ -455,17 +542,25 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="which tables to run")
     ap.add_argument("--contexts", nargs="+", type=int, help="contexts of the compression and decode-layer tables "
                     "(default 32768 131072; --smoke 512)")
+    ap.add_argument("--batches", nargs="+", type=int, help="decode-layer batch sizes (default 1 4 8 16 24 32 48; "
+                    "--smoke 1 2)")
+    ap.add_argument("--values", nargs="+", choices=("gpu", "host"), default=["gpu", "host"],
+                    help="where the decode layer's compressed values are read: the GPU copy the server keeps "
+                    "while memory allows, pinned host memory, or both (default)")
+    ap.add_argument("--query-drift", nargs="+", type=float, default=[0.35],
+                    help="how far each decode query moves from the last, per run of the decode layer (default "
+                    "0.35: about the paper's 60%% chunk-cache hits; 10: independent queries, as random weights give)")
     args = ap.parse_args()
     if args.smoke:
         contexts, batches, slots, entries = [512], [1, 2], 256, 16
     else:
         contexts, batches, slots, entries = [32768, 131072], [1, 4, 8, 16, 24, 32, 48], 1 << 17, 256
-    contexts = args.contexts or contexts
+    contexts, batches = args.contexts or contexts, args.batches or batches
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     result = {"device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__}
     runs = {"bandwidth": lambda: bandwidth_and_overlap(slots, 48 if not args.smoke else 2, entries),
             "compression": lambda: [compression_cost(c) for c in contexts],
-            "decode_layer": lambda: [r for c in contexts for r in decode_layer(c, batches, 8, 72)],
+            "decode_layer": lambda: decode_layers(contexts, batches, args.values, args.query_drift),
             "key_splits": lambda: key_split_cost([(1, 1), (2, 1)] if args.smoke else
                                                  [(1, 1), (4, 1), (8, 1), (16, 1), (48, 1), (1, 64), (4, 64), (16, 64)])}
     for part in args.parts:
@@ -512,11 +607,17 @@ def print_compression(rows: list[dict]) -> None:
             print(f"    {op['ms']:7.2f} ms {op['calls']:5d}x  {op['op']}")
 
 
-def print_decode_layer(rows: list[dict]) -> None:
-    print(f"\n{'context':>8} {'batch':>5} {'shadowkv ms':>11} {'full ms':>8} {'speedup':>7} {'hit':>5}  full backend")
-    for r in rows:
-        print(f"{r['context']:8d} {r['batch']:5d} {r['shadowkv_ms']:11.3f} {r['full_ms']:8.3f} "
-              f"{r['speedup']:7.2f} {r['chunk_cache_hit_rate']:5.2f}  {r['full_backend']}")
+def print_decode_layer(result: dict) -> None:
+    print(f"\nHBM copy {result['hbm_copy_GBps']:.0f} GB/s, pinned H2D {result['pinned_h2d_GBps']:.1f} GB/s")
+    print(f"{'context':>8} {'values':>6} {'drift':>5} {'batch':>5} {'shadowkv ms':>11} {'floor':>6} {'full ms':>8} {'floor':>6} "
+          f"{'sparse/full':>11} {'hit':>5}  full backend")
+    for r in result["rows"]:
+        print(f"{r['context']:8d} {r['values']:>6} {r['query_drift']:5.2f} {r['batch']:5d} {r['shadowkv_ms']:11.3f} "
+              f"{r['shadowkv_vs_floor']:5.1f}x {r['full_ms']:8.3f} {r['full_vs_floor']:5.1f}x "
+              f"{1 / r['speedup']:11.2f} {r['chunk_cache_hit_rate']:5.2f}  {r['full_backend']}")
+    for r in result["rows"]:
+        top = ", ".join(f"{k['op'][:28]} {k['ms']:.3f}" for k in r["kernels"]["top"][:8])
+        print(f"  {r['context']} {r['values']} drift {r['query_drift']} x{r['batch']} kernels (eager, ms): {top}")
 
 
 if __name__ == "__main__":

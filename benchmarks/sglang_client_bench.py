@@ -49,6 +49,8 @@ WORKLOADS = {
     "cold_32k": dict(groups=3, per_group=1, doc=32768, output=8, concurrency=1),
     "decode_32k_x8": dict(groups=8, per_group=1, doc=32768, output=256, concurrency=8),
     "smoke_8k": dict(groups=2, per_group=2, doc=8192, output=16, concurrency=4),  # a model family's GPU check
+    # decode-bound (the cache hierarchy's case): 8 documents x 4 questions, long answers, all in flight
+    "decode_64k_x32": dict(groups=8, per_group=4, doc=65536, output=1024, concurrency=32),
     "tiny": dict(groups=2, per_group=2, turns=2, doc=600, output=8, concurrency=2),  # seconds on a CPU
 }
 QUESTION_TOKENS = 64
@@ -59,7 +61,8 @@ COUNTERS = ("prefill_tokens", "cached_tokens", "decode_steps", "prefill_steps", 
             "suffix_step_ms", "prefill_step_ms", "dense_prefix_hits", "reprefilled_tokens", "compressions",
             "compressed_requests", "compressed_prefix_hits", "demotions", "demoted_tokens", "gpu_value_loads",
             "gpu_value_drops", "to_host_reload_cheaper", "compressed_no_room", "compressed_sparse_cheaper",
-            "compressed_decode_pays", "rows_made_sparse")
+            "compressed_decode_pays", "rows_made_sparse", "host_hit_tokens", "host_loaded_bytes", "host_load_ms",
+            "host_stored_bytes", "host_evicted_tokens")
 
 
 def client_args(workload: dict, url: str, model: str, tokenizer: str, output_file: str) -> list[str]:
@@ -160,8 +163,12 @@ def run_mode(mode: str, args, workdir: Path, profile_dir: Path, saved=lambda res
                 **({"profile": profile} if profile is not None else {})}
             print(f"{mode:9s} {name:11s} " + summary_line(result["workloads"][name]), flush=True)
             saved(result)  # each workload on disk as it ends: a run cut short keeps what it measured
-    finally:
-        result["server_log_tail"] = server.output()[-4000:]
+    finally:  # saved also when the server died mid-run: its log says why
+        log = server.output()
+        result["server_log_tail"] = log[-8000:]
+        if args.server_log:
+            Path(args.out).with_name(f"{Path(args.out).stem}_{mode}_server.log").write_text(log)
+        saved(result)
         server.kill_group()
         if not args.triton_cache:
             shutil.rmtree(triton_cache, ignore_errors=True)
@@ -270,6 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--server-flag", action="append", default=[], help="extra server flag (repeatable)")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--workload-timeout", type=float, default=300)
+    parser.add_argument("--server-log", action="store_true",
+                        help="also write each server's whole log beside --out (OUT_STEM_MODE_server.log)")
     parser.add_argument("--profile-at", type=float, help="diagnosis: profile the server from this many seconds "
                         "into each workload (its numbers then do not count); the summary goes into the report")
     parser.add_argument("--profile-steps", type=int, default=30, help="steps a --profile-at window records")

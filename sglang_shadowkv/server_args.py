@@ -78,8 +78,8 @@ class ServerArgs:
                                              "from the GPU pool go to page-locked host memory instead of being "
                                              "dropped, and a request that matches them has them loaded back, layer "
                                              "by layer beside its first step, instead of prefilled again")
-    hicache_ratio: float = _field(2.0, "the host tier's size as a multiple of the GPU KV pool (capped at 90% of "
-                                  "the host memory available)")
+    hicache_ratio: float = _field(2.0, "the host tier's size as a multiple of the GPU KV pool (capped at the host "
+                                  "memory available less 10 GiB, shared by the ranks)")
     hicache_size: int = _field(0, "the host tier's size in GB per rank; overrides --hicache-ratio when above 0")
     hicache_write_policy: str = _field("write_through", "write_through: copy each page to the host when the radix "
                                        "cache takes it (an eviction then moves no data); write_back: copy it when "

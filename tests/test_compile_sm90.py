@@ -53,7 +53,8 @@ with compile_only() as compiled:
                                  values.landmark_scale[0], live)
         selected = select_decode_chunks(logits, hkv, chunk_slots, torch.full((batch,), 6), 6, entries, 0.9, 2,
                                         torch.zeros(2, 1, entries + 1, dtype=torch.long), rows, 0, live)
-        plan_chunk_cache_in_place(torch.full((2, hkv, entries), -1), rows, selected, live)
+        plan_chunk_cache_in_place(torch.full((2, hkv, entries), -1), rows, selected, live,
+                                  torch.zeros(2, 2, dtype=torch.long))  # (counting hits, as decode steps do)
         gather_values(values.host_v[0], values.host_slot, value_jobs, values.blocks_v[0], value_table, rows,
                       values.value_scale[0], values.resident(0), live, programs=4)
         rebuild_keys(store.a_lo[0], store.a_hi[0], *store.basis_memory(0), rotary.cos_cache, rotary.sin_cache,

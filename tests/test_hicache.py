@@ -114,12 +114,24 @@ def test_bad_host_tier_flags_are_refused_naming_them(flags, message):
 
 def test_help_lists_every_flag_with_its_default(capsys):
     """--help formats each flag's help with argparse's %-formatting: a '%' in a help text (the host
-    tier's "90% of") once made it a TypeError instead of help."""
+    tier's "90% of", since reworded) once made it a TypeError instead of help."""
     from sglang_shadowkv.entrypoints.launcher import main
 
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    assert "--enable-hierarchical-cache" in text and "90% of the host memory" in text.replace("\n", " ").replace("  ", " ")
+    assert "--enable-hierarchical-cache" in text and "available less 10 GiB" in text.replace("\n", " ").replace("  ", " ")
     assert "--shadowkv-compress-policy" in text and "(default: tier)" in text
+
+
+def test_host_tier_leaves_a_reserve_and_shares_the_host_between_ranks(monkeypatch):
+    """The host tier takes what is available less 10 GiB, split among the ranks of the host (each
+    rank sizes its tier at the same moment, from the same MemAvailable); nothing when less is left."""
+    from sglang_shadowkv.mem_cache import memory_plan
+
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 50 << 30)
+    assert memory_plan.host_tier_bytes(1) == 40 << 30
+    assert memory_plan.host_tier_bytes(2) == 20 << 30
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 6 << 30)
+    assert memory_plan.host_tier_bytes(1) == 0

@@ -12,6 +12,7 @@ from sglang_shadowkv.kernels.chunk_stats import chunk_stats, chunk_stats_referen
 from sglang_shadowkv.kernels.gather_values import gather_values, gather_values_reference
 from sglang_shadowkv.kernels.landmark_scores import (landmark_logits, landmark_logits_reference, tile_landmark_mass,
                                                       tile_landmark_mass_reference)
+from sglang_shadowkv.kernels import rebuild_keys as rk
 from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys, rebuild_keys_reference
 from sglang_shadowkv.kernels.rotary import rotate, rotate_reference
 from sglang_shadowkv.kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference
@@ -132,10 +133,11 @@ def _pool_with_segments(gen, chunk_size, hkv, head_dim, rank, chunks=(5, 9, 3)):
 @pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("chunk_size,rank,hkv,head_dim,rotary_dim", [(8, 30, 3, 32, 32), (8, 64, 2, 32, 16),
                                                                      (4, 17, 3, 48, 48), (16, 40, 2, 64, 64)])
-def test_rebuild_keys(chunk_size, rank, hkv, head_dim, rotary_dim, ranked):
+def test_rebuild_keys(chunk_size, rank, hkv, head_dim, rotary_dim, ranked, monkeypatch):
     """Kernel against reference on the pool's own layout (low-rank rows split between a slot's K
-    and V shares, bases in pages), and the reference against RoPE of rows times basis; with
-    partial rotary the unrotated dims of a rebuilt key are those of rows times basis."""
+    and V shares, bases in pages), also with two entries a program (the misses of a head spread
+    over several programs), and the reference against RoPE of rows times basis; with partial
+    rotary the unrotated dims of a rebuilt key are those of rows times basis."""
     gen = torch.Generator().manual_seed(chunk_size * 100 + rank)
     store, segs = _pool_with_segments(gen, chunk_size, hkv, head_dim, rank)
     rotary = RotaryEmbedding(head_dim, 10000.0, 2048, rotary_dim=rotary_dim).to(DEVICE)
@@ -162,6 +164,10 @@ def test_rebuild_keys(chunk_size, rank, hkv, head_dim, rotary_dim, ranked):
     want = rebuild_keys_reference(*args, blocks.clone(), pages, rows, basis_rank)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, equal_nan=True)
     assert_writes_only_jobs(want, blocks, free, table, rows, jobs)
+    monkeypatch.setattr(rk, "ROWS_PER_PROGRAM", 16)  # (Triton 3.6 fails to compile 32-row tiles for sm_90)
+    torch.testing.assert_close(rebuild_keys(*args, blocks.clone(), pages, rows, basis_rank), want, rtol=TOL,
+                               atol=TOL, equal_nan=True)
+    monkeypatch.undo()
     if ranked:  # a CUDA graph's padding rows (from live on): none of their jobs are done
         live = torch.tensor([2], dtype=torch.int32, device=DEVICE)
         got = rebuild_keys(*args, blocks.clone(), pages, rows, basis_rank, live)
@@ -507,12 +513,19 @@ def test_chunk_cache_plan_in_place(k):
             selected[i, j, :n] = torch.randperm(3 * k, generator=gen)[:n]
     rows = torch.tensor([5, 0, 3, 1], dtype=torch.int32)
     held, selected, rows = held.to(DEVICE), selected.to(DEVICE), rows.to(DEVICE)
-    want_held = held.clone()
-    want = plan_chunk_cache_in_place_reference(want_held, rows, selected)
-    got_held = held.clone()
-    got = plan_chunk_cache_in_place(got_held, rows, selected)
+    hits_before = torch.randint(0, 9, (rows_total, 2), generator=gen).to(DEVICE)
+    want_held, want_hits = held.clone(), hits_before.clone()
+    want = plan_chunk_cache_in_place_reference(want_held, rows, selected, hits=want_hits)
+    got_held, got_hits = held.clone(), hits_before.clone()
+    got = plan_chunk_cache_in_place(got_held, rows, selected, hits=got_hits)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(got_held, want_held)
+    assert torch.equal(got_hits, want_hits)
+    # the counts: per request, the selected chunks its row held before (hits) and all selected (lookups)
+    for i, row in enumerate(rows.tolist()):
+        chosen = [(j, c) for j in range(h) for c in selected[i, j].tolist() if c >= 0]
+        counted = torch.tensor([sum(c in held[row, j].tolist() for j, c in chosen), len(chosen)])
+        assert torch.equal((want_hits[row] - hits_before[row]).cpu(), counted)
     assert torch.equal(got_held[[2, 4]], held[[2, 4]])  # rows no request names are left alone
     live = torch.tensor([2], dtype=torch.int32, device=DEVICE)  # requests 2 and 3: a CUDA graph's padding
     want_held, got_held = held.clone(), held.clone()

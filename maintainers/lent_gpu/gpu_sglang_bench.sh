@@ -6,6 +6,8 @@
 #   bash maintainers/lent_gpu/gpu_sglang_bench.sh check             # carry .whl-fi2 .whl-srv .whl-bench .whl-test .sglmin .tok
 #   bash maintainers/lent_gpu/gpu_sglang_bench.sh MODE TAG WORKLOAD...   # full|shadowkv; same carries
 #   bash maintainers/lent_gpu/gpu_sglang_bench.sh script benchmarks/X.py ARGS...  # any benchmark; same carries
+#   bash maintainers/lent_gpu/gpu_sglang_bench.sh triton MODE TAG WORKLOAD... # no FlashInfer (Triton backend), the
+#                                                   #   host tier on; carry .whl-srv .whl-bench .sglmin .tok
 # Staging here first (see ../shared/device/): fetch_flashinfer_wheels.sh, fetch_server_wheels.sh,
 # stage_sglang_bench.sh, the embedded tokenizer saved to .tok, pytest and hypothesis wheels in .whl-test.
 # Then here: python benchmarks/sglang_client_bench.py --merge sglang_bench_*.json --out benchmarks/results/...
@@ -28,6 +30,17 @@ case "$1" in
   script)
     install; shift
     timeout 570 python3 "$@" 2>&1 | tail -40; echo "rc=${PIPESTATUS[0]}" ;;
+  triton)  # one mode, the host tier on (both modes' baseline in the cache hierarchy's comparisons)
+    [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+      .whl-srv/*.whl .whl-bench/*.whl
+    mode=$2 tag=$3; shift 3
+    timeout 580 python3 benchmarks/sglang_client_bench.py --client .sglmin/sglang_bench.py --tokenizer "$PWD/.tok" \
+      --modes "$mode" --workloads "$@" --workload-timeout "${WT:-540}" --server-flag=--enable-hierarchical-cache --server-log \
+      --out "$OUT/sglang_bench_${mode}_$tag.json" > "$OUT/sglang_bench_${mode}_$tag.log" 2>&1
+    echo "rc=$?"; grep -v "Warning\|warn(" "$OUT/sglang_bench_${mode}_$tag.log" | tail -8
+    python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['modes'][sys.argv[2]]['server_log_tail'][-3000:])" \
+      "$OUT/sglang_bench_${mode}_$tag.json" "$mode"
+    free -g | head -2; dmesg 2>/dev/null | grep -i "killed process" | tail -2 ;;
   full|shadowkv)
     install
     mode=$1 tag=$2; shift 2

@@ -149,12 +149,17 @@ class HostKVPool:
     def _copy(self, src_pages: list[int], dst_pages: list[int], to_host: bool) -> None:
         """Every layer's K and V pages from one pool to the other; loads record a ready event per
         layer. A copy waits for the compute stream first: a store reads pages it wrote, a load
-        writes pages it may have used before they were freed."""
+        writes pages it may have used before they were freed. The page lists are made on the
+        compute stream and read on the copy's: they are kept from reuse until the copy has run
+        (without that, the compute stream's next allocation took their memory while the copy still
+        read it: an illegal address on the H100, 64K documents, gone under CUDA_LAUNCH_BLOCKING)."""
         gpu = self.gpu_pool
         pages = [to_device(torch.tensor(p, dtype=torch.int64), gpu.device) for p in (src_pages, dst_pages)]
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(gpu.device))
+            for p in pages:
+                p.record_stream(stream)
         events = []
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for layer, gpu_buffers in enumerate(zip(gpu.k_buffers, gpu.v_buffers)):

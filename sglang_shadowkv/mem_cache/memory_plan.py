@@ -18,6 +18,10 @@ from typing import Callable
 import torch
 
 DOCUMENT_SIZES = (16384, 32768, 131072)  # the sizes capacity reports count
+# host memory the host tier leaves to the processes themselves, as SGLang's HiCache does (10 GB): on
+# the lent 128 GiB H100 machine ShadowKV's values (half of what was available) and a tier taking 90%
+# of the rest left ~6 GB for the server's processes and anything beside them
+HOST_RESERVE_BYTES = 10 << 30
 
 
 @dataclass
@@ -42,6 +46,12 @@ def available_host_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_tier_bytes(ranks: int) -> int:
+    """Page-locked host memory one rank's host tier may take: what is available less
+    HOST_RESERVE_BYTES, shared by the ranks of the host (they size their pools at once)."""
+    return max(0, available_host_bytes() - HOST_RESERVE_BYTES) // ranks
 
 
 def free_gpu_bytes(device: torch.device) -> int:

@@ -17,7 +17,8 @@ from sglang_shadowkv.mem_cache.host_kv_pool import HostKVPool
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
 from sglang_shadowkv.mem_cache.compressed_layout import host_bytes_per_chunk
 from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
-from sglang_shadowkv.mem_cache.memory_plan import MemoryPlan, available_host_bytes, free_gpu_bytes, plan_gpu_memory
+from sglang_shadowkv.mem_cache.memory_plan import (MemoryPlan, available_host_bytes, free_gpu_bytes, host_tier_bytes,
+                                                   plan_gpu_memory)
 from sglang_shadowkv.models.loader import LoadedModel, load_model
 from sglang_shadowkv.server_args import ServerArgs
 from sglang_shadowkv.shadowkv.decode import SparseDecoder
@@ -160,10 +161,11 @@ class ModelRunner:
 
     def _build_host_tier(self, args: ServerArgs) -> HostKVPool:
         """--enable-hierarchical-cache: --hicache-size GB, else --hicache-ratio times the GPU pool,
-        at most 90% of the host memory still available (after ShadowKV's host values)."""
+        at most this rank's share of the host memory still available (after ShadowKV's host
+        values) less a reserve (memory_plan.host_tier_bytes)."""
         page_bytes = self.pool.bytes_per_token * self.pool.page_size
         want = args.hicache_size * 2**30 // page_bytes if args.hicache_size else int(args.hicache_ratio * self.pool.capacity)
-        can = int(0.9 * available_host_bytes()) // page_bytes
+        can = host_tier_bytes(self.tp.size) // page_bytes
         pages = self.tp.min_over_ranks(min(want, can))[0]
         if pages < want:
             logger.warning("host tier: %d pages asked for, %d fit the host memory available", want, pages)

@@ -257,7 +257,8 @@ class Demoter:
             self._read_sparse(req, first, refs[:shared])
         self.tree.unlock(job.node)
         self.job = None
-        self.tier.count_compression(job.segment, f"demoted at position {job.start} ({job.reason})")
+        self.tier.count_compression(job.segment, f"demoted at position {job.start} ({job.reason}; "
+                                                 f"{len(readers)} running requests read it sparse from now on)")
         self._count(job.reason)
         self.counters.demotions += 1
         self.counters.demoted_tokens += job.num_tokens

@@ -301,10 +301,8 @@ class SparseDecoder:
         """Bring the selected chunks [R, Hkv, K] into the scratch rows [R] (int32; only chunks not
         already there move) and return the scratch entry of each [R, Hkv, K] (-1 for padding)."""
         plan_fn = ccp.plan_chunk_cache_in_place if self.use_triton else ccp.plan_chunk_cache_in_place_reference
-        jobs, entries = plan_fn(self.held[layer], rows, selected.contiguous(), live)
-        if count_hits:
-            lookups = (entries >= 0).sum((1, 2))
-            self.hits.index_add_(0, rows.long(), torch.stack([lookups - (jobs >= 0).sum((1, 2)), lookups], 1))
+        jobs, entries = plan_fn(self.held[layer], rows, selected.contiguous(), live,
+                                self.hits if count_hits else None)
         self._fetch(jobs, layer, rows, live)
         return entries
 
