@@ -135,3 +135,19 @@ def test_host_tier_leaves_a_reserve_and_shares_the_host_between_ranks(monkeypatc
     assert memory_plan.host_tier_bytes(2) == 20 << 30
     monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 6 << 30)
     assert memory_plan.host_tier_bytes(1) == 0
+
+
+def test_a_host_without_memory_for_the_tier_is_a_clear_error(monkeypatch):
+    """With less host memory available than the reserve, the tier's sizing names the flag and the
+    memory instead of failing inside the host pool."""
+    from types import SimpleNamespace
+
+    from sglang_shadowkv.model_executor import model_runner
+    from sglang_shadowkv.server_args import ServerArgs
+
+    monkeypatch.setattr(model_runner, "available_host_bytes", lambda: 4 << 30)
+    monkeypatch.setattr(model_runner, "host_tier_bytes", lambda ranks: 0)
+    runner = SimpleNamespace(pool=SimpleNamespace(bytes_per_token=1024, page_size=8, capacity=4096),
+                             tp=SimpleNamespace(size=1, min_over_ranks=lambda *n: list(n)))
+    with pytest.raises(ValueError, match=r"--enable-hierarchical-cache: the host has no memory.*4\.0 GiB available"):
+        model_runner.ModelRunner._build_host_tier(runner, ServerArgs(enable_hierarchical_cache=True))

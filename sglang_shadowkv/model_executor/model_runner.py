@@ -17,8 +17,8 @@ from sglang_shadowkv.mem_cache.host_kv_pool import HostKVPool
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
 from sglang_shadowkv.mem_cache.compressed_layout import host_bytes_per_chunk
 from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
-from sglang_shadowkv.mem_cache.memory_plan import (MemoryPlan, available_host_bytes, free_gpu_bytes, host_tier_bytes,
-                                                   plan_gpu_memory)
+from sglang_shadowkv.mem_cache.memory_plan import (HOST_RESERVE_BYTES, MemoryPlan, available_host_bytes, free_gpu_bytes,
+                                                   host_tier_bytes, plan_gpu_memory)
 from sglang_shadowkv.models.loader import LoadedModel, load_model
 from sglang_shadowkv.server_args import ServerArgs
 from sglang_shadowkv.shadowkv.decode import SparseDecoder
@@ -167,6 +167,11 @@ class ModelRunner:
         want = args.hicache_size * 2**30 // page_bytes if args.hicache_size else int(args.hicache_ratio * self.pool.capacity)
         can = host_tier_bytes(self.tp.size) // page_bytes
         pages = self.tp.min_over_ranks(min(want, can))[0]
+        if pages < 1:
+            raise ValueError(f"--enable-hierarchical-cache: the host has no memory for the host tier "
+                             f"({available_host_bytes() / 2**30:.1f} GiB available, "
+                             f"{HOST_RESERVE_BYTES / 2**30:.0f} GiB kept for the server's processes); "
+                             "free host memory, or serve without the tier")
         if pages < want:
             logger.warning("host tier: %d pages asked for, %d fit the host memory available", want, pages)
         host = HostKVPool(self.pool, pages, args.hicache_write_policy)
