@@ -8,7 +8,8 @@ is one (device, workload, mode) taken from the latest reports that ran it: a rep
 `date` field, else the time of the last commit that touched its file (else the file's mtime), and
 the newest date wins. Where several reports share that date (repeat runs), the point is their
 median and the error bar spans them. A run with a server flag beyond the benchmark's own (an A/B
-variant such as --disable-mixed-step-overlap) is left out; --step-log is not a variant.
+variant such as --disable-mixed-step-overlap) is left out; --step-log is not a variant. So is a
+workload that only one mode ran at default flags: it has nothing to be set against.
 
     python benchmarks/plot_serving.py                          # benchmarks/results/sglang_bench_*.json
     python benchmarks/plot_serving.py R1.json R2.json --out /tmp/serving.png
@@ -179,8 +180,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not paths:
         ap.error(f"no reports: none match {DEFAULT_REPORTS}")
     pts = points(paths)
+    in_both = set.intersection(*({(p["device"], p["workload"]) for p in pts if p["mode"] == m} for m in MODES))
+    pts = [p for p in pts if (p["device"], p["workload"]) in in_both]
     if not pts:
-        ap.error("no completed default-flag workloads in the reports")
+        ap.error("no workload completed at default flags in both modes in the reports")
     draw(pts, args.out)
     for p in pts:
         print(f"{p['device']:5s} {p['workload']:10s} {p['mode']:8s} holds {p['holds']:3d}  "
