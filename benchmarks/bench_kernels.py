@@ -45,7 +45,8 @@ from sglang_shadowkv.kernels.ragged_paged_attention import (  # noqa: E402
     ragged_paged_attention, ragged_paged_attention_reference)
 from sglang_shadowkv.kernels.rebuild_keys import rebuild_keys, rebuild_keys_reference  # noqa: E402
 from sglang_shadowkv.layers.rotary import RotaryEmbedding  # noqa: E402
-from sglang_shadowkv.mem_cache.compressed_layout import element_size, segment_pages, slot_layout  # noqa: E402
+from sglang_shadowkv.mem_cache.compressed_layout import (  # noqa: E402
+    element_size, segment_pages, slot_layout, values_per_page)
 from sglang_shadowkv.mem_cache.compressed_pool import Segment, ShadowKVPool  # noqa: E402
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool  # noqa: E402
 from sglang_shadowkv.shadowkv.compress import SegmentCompression, compress_layer, low_rank_basis  # noqa: E402
@@ -103,8 +104,7 @@ def random_segments(num_segments: int, tokens: int, cfg: ShadowKVConfig, rotary:
     outliers) from i.i.d. random keys and values; values_on_gpu: each also given its GPU values, as
     the server does while memory allows (else they are read from pinned host memory)."""
     n = tokens // CHUNK
-    chunks_per_page = 2 * element_size(DT) // element_size(storage)  # (a page's K and V memory)
-    spare = num_segments * -(-n // chunks_per_page) if values_on_gpu else 0
+    spare = num_segments * -(-n // values_per_page(DT, storage)) if values_on_gpu else 0
     store, segs = segment_store(num_segments, tokens, cfg.num_outliers(n), scratch_pages, storage=storage,
                                 spare_pages=spare)
     for seg in segs:

@@ -22,6 +22,12 @@ install() {
   [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     .whl-fi2/*.whl .whl-srv/*.whl .whl-bench/*.whl .whl-test/*.whl
 }
+client_bench() {  # MODE TAG FLAG...: sglang_client_bench.py, one mode, its report and log in $OUT
+  local mode=$1 tag=$2; shift 2
+  timeout 570 python3 benchmarks/sglang_client_bench.py --client .sglmin/sglang_bench.py --tokenizer "$PWD/.tok" \
+    --modes "$mode" "$@" --out "$OUT/sglang_bench_${mode}_$tag.json" > "$OUT/sglang_bench_${mode}_$tag.log" 2>&1
+  echo "rc=$?"; grep -v "Warning\|warn(" "$OUT/sglang_bench_${mode}_$tag.log" | tail -12
+}
 case "$1" in
   install1) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-fi1/*.whl; echo "rc=$?" ;;
   check) install
@@ -33,18 +39,9 @@ case "$1" in
   triton)  # one mode, the host tier on (both modes' baseline in the cache hierarchy's comparisons)
     [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
       .whl-srv/*.whl .whl-bench/*.whl
-    mode=$2 tag=$3; shift 3
-    timeout 580 python3 benchmarks/sglang_client_bench.py --client .sglmin/sglang_bench.py --tokenizer "$PWD/.tok" \
-      --modes "$mode" --workloads "$@" --workload-timeout "${WT:-540}" --server-flag=--enable-hierarchical-cache --server-log \
-      --out "$OUT/sglang_bench_${mode}_$tag.json" > "$OUT/sglang_bench_${mode}_$tag.log" 2>&1
-    echo "rc=$?"; grep -v "Warning\|warn(" "$OUT/sglang_bench_${mode}_$tag.log" | tail -8
-    python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['modes'][sys.argv[2]]['server_log_tail'][-3000:])" \
-      "$OUT/sglang_bench_${mode}_$tag.json" "$mode"
-    free -g | head -2; dmesg 2>/dev/null | grep -i "killed process" | tail -2 ;;
+    client_bench "$2" "$3" --workload-timeout "${WT:-540}" --server-flag=--enable-hierarchical-cache --server-log \
+      --workloads "${@:4}" ;;
   full|shadowkv)
     install
-    mode=$1 tag=$2; shift 2
-    timeout 570 python3 benchmarks/sglang_client_bench.py --client .sglmin/sglang_bench.py --tokenizer "$PWD/.tok" \
-      --modes "$mode" --workloads "$@" --out "$OUT/sglang_bench_${mode}_$tag.json" > "$OUT/sglang_bench_${mode}_$tag.log" 2>&1
-    echo "rc=$?"; tail -12 "$OUT/sglang_bench_${mode}_$tag.log" ;;
+    client_bench "$1" "$2" --workloads "${@:3}" ;;
 esac

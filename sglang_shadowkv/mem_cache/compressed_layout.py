@@ -88,6 +88,12 @@ def host_bytes_per_chunk(num_layers: int, num_kv_heads: int, head_dim: int, chun
     return num_layers * num_kv_heads * head_dim * chunk_size * element_size(value_dtype)
 
 
+def values_per_page(dtype: torch.dtype, value_dtype: torch.dtype) -> int:
+    """Chunks whose values (stored as value_dtype) one page of a dtype pool holds in its K and V
+    memory: a compressed segment's GPU values (compressed_pool.ShadowKVPool.load_values)."""
+    return 2 * (element_size(dtype) // element_size(value_dtype))
+
+
 def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

@@ -23,7 +23,8 @@ import torch
 
 from sglang_shadowkv.kernels.quantize_chunks import chunk_major, quantize_chunks, quantize_chunks_reference
 
-from .compressed_layout import basis_pages, element_size, quantize_per_head, segment_pages, slot_layout
+from .compressed_layout import (basis_pages, element_size, quantize_per_head, segment_pages, slot_layout,
+                                values_per_page)
 from .host_memory import PinnedHostTensor
 from .kv_pool import PagedKVPool, to_device
 
@@ -153,8 +154,8 @@ class ShadowKVPool:
         self.elt, self.host_elt = element_size(self.dtype), self.host_v[0].element_size()
         # GPU values: each layer's K and V memory as [blocks, Hkv, c, D] in the host format; chunk
         # slot s is read from block value_home[s] >> 1 of the K (even) or V (odd) view, -1: host only
-        half = self.elt // self.host_elt
-        self.values_per_page = 2 * half
+        self.values_per_page = values_per_page(self.dtype, value_dtype)
+        half = self.values_per_page // 2
         self.resident_k = [buf.view(-1).view(value_dtype).view(pages * half, h, c, d) for buf in kv.k_buffers]
         self.resident_v = [buf.view(-1).view(value_dtype).view(pages * half, h, c, d) for buf in kv.v_buffers]
         self.value_home = torch.full((self.num_slots,), -1, **ints)
