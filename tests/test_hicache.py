@@ -62,6 +62,18 @@ def test_documents_evicted_to_the_host_come_back_exact_without_a_prefill(tiny_mo
         assert mem["host_free_pages"] == mem["host_total_pages"] and mem["tree_pages"] == 0
 
 
+def test_a_request_with_nothing_on_the_host_loads_nothing(tiny_model_path, monkeypatch):
+    """Admissions whose match holds no host page issue no load: an empty one still launched a copy
+    per layer and side, and counted its milliseconds as the link's."""
+    with Engine(model_path=tiny_model_path, **SMALL) as engine:
+        host = engine.scheduler.cache.host
+        loads = []
+        monkeypatch.setattr(host, "load", lambda entries, pages: loads.append(len(entries)))
+        for _ in range(2):  # cold, then a dense hit on the GPU
+            engine.generate(input_ids=document(0) + QUESTION, sampling_params=GREEDY)
+        assert loads == [] and engine.get_server_info()["stats"]["host_load_ms"] == 0
+
+
 def test_a_full_host_tier_drops_its_least_recently_used_documents(tiny_model_path):
     with Engine(model_path=tiny_model_path, hicache_size=0, hicache_ratio=0.4, **SMALL) as engine:
         for d in range(6):

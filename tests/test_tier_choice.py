@@ -35,15 +35,25 @@ def test_without_a_host_tier_a_document_under_pressure_is_compressed():
 
 
 def test_a_short_document_with_short_answers_goes_to_the_host():
-    # 4K tokens: reload 0.5 GB at 50 GB/s = 10 ms; compressed costs 10 ms of compression and 10 steps
+    # 4K tokens: reload 0.5 GB at 50 GB/s = 10 ms; compressed costs 20 ms of compression and 10 steps
     # a sparse row dearer than reading 4K tokens dense (1 ms against 0.16 ms)
     assert leave_gpu(4096, rates(answer=10, prefill=20_000.0), host_tier=True) == TO_HOST
 
 
 def test_a_long_document_read_by_long_answers_is_compressed_rather_than_reloaded():
-    # 128K tokens: reload 0.34 s, then 1000 steps reading 5.2 ms dense; compressed: 0.33 s once and
+    # 128K tokens: reload 0.34 s, then 1000 steps reading 5.2 ms dense; compressed: 0.66 s once and
     # 1 ms a step
     assert leave_gpu(131072, rates(answer=1000), host_tier=True) == COMPRESSED_SPARSE_CHEAPER
+
+
+def test_before_any_measurement_a_16k_document_with_short_answers_goes_to_the_host():
+    """The priors alone (a sparse row as dear as a dense 16K row): a 16K document of the 8B shape
+    reloads in 40 ms, less than compressing it (70 ms), so short answers leave it exact (H100,
+    many_16k: compressing these ran 0.93x of full attention with the host tier)."""
+    r = Rates.priors(KV, 16 * 10**9)
+    r.answer.value = 32.0
+    assert r.reload_s(16384) < r.compression_s(16384)
+    assert leave_gpu(16384, r, host_tier=True) == TO_HOST
 
 
 def test_a_slow_link_makes_compression_the_cheaper_way_back():
@@ -93,6 +103,15 @@ def test_rates_follow_what_the_scheduler_measures():
     assert r.pcie_bytes_per_s == 10e9
     r.observe_host_loads(10 * 10**9, 1)  # issue time, not a link's: capped at the measured link
     assert r.pcie_bytes_per_s == PCIE_BYTES_PER_S
+
+
+def test_time_spent_loading_nothing_is_no_measurement_of_the_link():
+    """Served on the H100: milliseconds counted while no byte had come back made the rate zero, and
+    the next document under pressure divided by it (the scheduler step failed, its requests aborted)."""
+    r = Rates.priors(KV, 10**9)
+    r.observe_host_loads(0, 201)
+    assert r.pcie_bytes_per_s == PCIE_BYTES_PER_S
+    assert leave_gpu(16384, r, host_tier=True) in (TO_HOST, COMPRESSED_SPARSE_CHEAPER)
     r.observe_answer(28)
     assert r.answer.value == 78.0
     assert set(r.as_dict()) >= {"prefill_tokens_per_s", "pcie_bytes_per_s", "answer_tokens", "sparse_row_s"}

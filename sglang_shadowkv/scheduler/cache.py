@@ -100,8 +100,11 @@ class CacheManager:
     def _load_from_host(self, match: PrefixMatch, need: int) -> bool:
         """Bring the matched prefix's host pages back into GPU pages (False: the pool cannot
         take them and the request's own need, nothing done). The path's nodes then hold them
-        dense, and the request reads them as it reads any cached page."""
+        dense, and the request reads them as it reads any cached page. A match with no host
+        page loads nothing (an empty load still launched a copy per layer and side)."""
         host = [i for i, e in enumerate(match.pages) if type(e) is HostPage]
+        if not host:
+            return True
         if len(host) + need > self.available_pages():
             return False
         self.make_room(len(host))

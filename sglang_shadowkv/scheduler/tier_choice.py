@@ -40,7 +40,12 @@ PCIE_BYTES_PER_S = 53e9  # pinned host to GPU; also the ceiling of a measurement
 PREFILL_TOKENS_PER_S = 23_000.0  # 16K tokens of the 8B shape in about 0.7 s
 SPARSE_ROW_TOKENS = 16384  # a sparse row costs about a dense row's read of 16K tokens (issue 53: 0.8 ms)
 ANSWER_TOKENS = 128.0  # decode steps of a hit's answer
-COMPRESSION_SHARE = 0.05  # compressing a document costs this share of its prefill (DESIGN.md §3: a few percent)
+# compressing a document costs this share of its prefill: measured on the H100 (8B shape), 6-11% for
+# one cold document alone (cold_and_hit.py, 16K and 32K) and about 19% in the steps of a busy
+# server (chat_16k's step clock). At 0.05 a 16K document under pressure with short answers was
+# compressed rather than reloaded (40 ms over PCIe against 36 ms), and many_16k ran 0.93x of full
+# attention with the host tier
+COMPRESSION_SHARE = 0.1
 ALPHA = 0.05  # weight of the newest measurement in a moving average (the prior counts as one at first)
 FIT_DECAY = 0.01  # the decode fit forgets a step's weight at this rate a step (a memory of ~100 steps)
 PRIOR_STEPS = 0.5  # the decode fit's priors weigh as much as this many average steps
@@ -124,8 +129,9 @@ class Rates:
 
     def observe_host_loads(self, loaded_bytes: int, load_ms: int) -> None:
         """The host tier's totals so far. Capped at the prior: on a GPU the copies overlap the
-        forward pass and load_ms is the time spent issuing them, so a faster reading is no link's."""
-        if load_ms > 0:
+        forward pass and load_ms is the time spent issuing them, so a faster reading is no link's.
+        Nothing loaded yet reads as no measurement (a zero rate would divide by zero in reload_s)."""
+        if load_ms > 0 and loaded_bytes > 0:
             self.pcie_bytes_per_s = min(PCIE_BYTES_PER_S, 1000 * loaded_bytes / load_ms)
 
     def observe_answer(self, tokens: int) -> None:
