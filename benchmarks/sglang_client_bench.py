@@ -51,6 +51,8 @@ WORKLOADS = {
     "smoke_8k": dict(groups=2, per_group=2, doc=8192, output=16, concurrency=4),  # a model family's GPU check
     # decode-bound (the cache hierarchy's case): 8 documents x 4 questions, long answers, all in flight
     "decode_64k_x32": dict(groups=8, per_group=4, doc=65536, output=1024, concurrency=32),
+    # decode-bound chat: 48 sessions over their own 32K documents, 4 turns of 256-token answers
+    "chat_32k_256": dict(groups=48, per_group=1, turns=4, doc=32768, output=256, concurrency=48),
     "tiny": dict(groups=2, per_group=2, turns=2, doc=600, output=8, concurrency=2),  # seconds on a CPU
 }
 QUESTION_TOKENS = 64
@@ -87,6 +89,7 @@ def server_counters(url: str) -> dict:
     if info.get("shadowkv"):
         out.update({k: info["shadowkv"][k] for k in COUNTERS if k in info["shadowkv"]})
         out["chunk_cache"] = info["shadowkv"]["chunk_cache"]
+        out["tier_rates"] = info["shadowkv"].get("tier_rates")  # what the tier rule read as the workload ended
     return out
 
 

@@ -4,7 +4,8 @@
 # /tmp and FlashInfer's JIT cache between calls made within 30 s of each other):
 #   bash maintainers/lent_gpu/gpu_sglang_bench.sh install1          # carry .whl-fi1
 #   bash maintainers/lent_gpu/gpu_sglang_bench.sh check             # carry .whl-fi2 .whl-srv .whl-bench .whl-test .sglmin .tok
-#   bash maintainers/lent_gpu/gpu_sglang_bench.sh MODE TAG WORKLOAD...   # full|shadowkv; same carries
+#   bash maintainers/lent_gpu/gpu_sglang_bench.sh MODE TAG WORKLOAD...   # full|shadowkv; same carries;
+#                                                   #   HICACHE=1 turns the host tier on, WT=S the workload timeout
 #   bash maintainers/lent_gpu/gpu_sglang_bench.sh script benchmarks/X.py ARGS...  # any benchmark; same carries
 #   bash maintainers/lent_gpu/gpu_sglang_bench.sh triton MODE TAG WORKLOAD... # no FlashInfer (Triton backend), the
 #                                                   #   host tier on; carry .whl-srv .whl-bench .sglmin .tok
@@ -43,5 +44,6 @@ case "$1" in
       --workloads "${@:4}" ;;
   full|shadowkv)
     install
-    client_bench "$1" "$2" --workloads "${@:3}" ;;
+    client_bench "$1" "$2" --workload-timeout "${WT:-300}" ${HICACHE:+--server-flag=--enable-hierarchical-cache} \
+      --workloads "${@:3}" ;;
 esac
