@@ -95,6 +95,79 @@ def test_shadowkv_mode_takes_the_host_tier_too(tiny_model_path):
         assert engine.get_server_info()["stats"]["host_hit_tokens"] > 0
 
 
+# ShadowKV with every document compressed at its prefill and the host tier on (test_tiering's small
+# compressed form)
+PARKING = dict(attention="shadowkv", shadowkv_min_context=256, shadowkv_local_window=16, shadowkv_rank_cap=8,
+               shadowkv_outliers=2, shadowkv_max_budget=32, shadowkv_min_budget_chunks=8, chunked_prefill_size=256,
+               shadowkv_host_tokens=8192, shadowkv_compress_policy="eager", check_integrity=True,
+               enable_hierarchical_cache=True)
+
+
+def test_compressed_documents_parked_in_the_host_tier_come_back_as_they_were(tiny_model_path):
+    """Six compressed documents where the GPU holds about two: the others' compressed state is
+    parked in the host tier, not dropped, and a question on each later finds its document whole
+    (only the question is prefilled) and answers as it does where nothing was parked."""
+    docs = [document(d, 700) for d in range(6)]
+    answers, stats = {}, {}
+    for total in (8192, 1536):  # room for all six; room for about two
+        with Engine(model_path=tiny_model_path, max_total_tokens=total, **PARKING) as engine:
+            for doc in docs:
+                engine.generate(input_ids=doc + QUESTION, sampling_params=GREEDY)
+            if total == 1536:
+                integrity_check_sees_parked_state(engine.scheduler)
+            before = engine.get_server_info()
+            hits = [engine.generate(input_ids=doc + [9, 10, 11], sampling_params=GREEDY) for doc in docs]
+            after = engine.get_server_info()
+            answers[total] = [h["output_ids"] for h in hits]
+            stats[total] = dict(parked_before=before["shadowkv"]["parked_tokens"],
+                                unparked=after["shadowkv"]["unparked_tokens"] - before["shadowkv"]["unparked_tokens"],
+                                prefilled=after["stats"]["prefill_tokens"] - before["stats"]["prefill_tokens"],
+                                cached=[h["meta_info"]["cached_tokens"] for h in hits])
+    assert stats[8192]["parked_before"] == 0
+    assert stats[1536]["parked_before"] >= 3 * 688 and stats[1536]["unparked"] >= 3 * 688
+    assert stats[1536]["prefilled"] == stats[8192]["prefilled"] == 6 * 7  # whole pages cached, then the question
+    assert stats[1536]["cached"] == stats[8192]["cached"]
+    assert answers[1536] == answers[8192]
+
+
+def integrity_check_sees_parked_state(sched) -> None:
+    """The idle-time check is not vacuous about parked segments: a host page of one handed back
+    to the free list, or a tree entry that calls it on the GPU, both raise."""
+    from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, ParkedChunkRef
+
+    cache = sched.cache
+    seg = next(s for s in cache.compressed.store.live.values() if s.parked)
+    sched.run_when_idle()  # whole: passes
+    cache.host.free(seg.host_pages[:1])
+    with pytest.raises(RuntimeError, match="host page"):
+        sched.run_when_idle()
+    assert cache.host.alloc(1) == seg.host_pages[:1]  # taken back (a LIFO free list)
+    node = next(n for n in cache.tree.nodes() if any(type(e) is ParkedChunkRef for e in n.pages))
+    parked = node.pages
+    node.pages = [ChunkRef(e.segment, e.index) if type(e) is ParkedChunkRef else e for e in parked]
+    with pytest.raises(RuntimeError, match="referred to by a ChunkRef"):
+        sched.run_when_idle()
+    node.pages = parked
+    sched.run_when_idle()
+
+
+@pytest.fixture(scope="module")
+def tight_shadowkv(tiny_model_path):
+    """About two compressed documents on the GPU and a host tier too small for the rest: parking
+    drops the host tier's least recently used ones."""
+    with Engine(model_path=tiny_model_path, max_total_tokens=1536, hicache_ratio=0.4, **PARKING) as engine:
+        yield engine
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(OPS)
+def test_accounting_holds_while_compressed_documents_are_parked_and_come_back(tight_shadowkv, ops):
+    """The property test below with compressed documents: parked when the GPU runs short, brought
+    back by requests, dropped from the host tier, aborted mid-prefill or mid-decode, flushed."""
+    run_ops(tight_shadowkv.scheduler, ops, lambda op, doc, count: document(doc, 700) + QUESTION[:count % 4 + 1]
+            if op == "doc" else QUESTION * count)
+
+
 @pytest.fixture(scope="module")
 def tight(tiny_model_path):
     """About two documents on the GPU and three more on the host."""

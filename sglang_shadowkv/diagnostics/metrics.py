@@ -155,6 +155,10 @@ class SchedulerStateCollector(Collector):
                               ("demoted_tokens", "Tokens demoted from the dense tier to the compressed one."),
                               ("gpu_value_loads", "Compressed segments whose values were copied into lent GPU pages."),
                               ("gpu_value_drops", "Compressed segments whose GPU values were given back."),
+                              ("parked_tokens", "Tokens of compressed segments moved whole to the host tier "
+                               "under extreme pressure, instead of dropped."),
+                              ("unparked_tokens", "Tokens of parked compressed segments copied back to the GPU "
+                               "for a request that matched them."),
                               ("to_host_reload_cheaper", "Long dense documents moved to the host tier under "
                                "pressure: a reload costs less than compressed."),
                               ("compressed_no_room", "Long dense documents compressed under pressure: no host "

@@ -7,6 +7,12 @@ A segment is a chunk-aligned span of one prompt compressed with one basis per la
 is addressed by chunk slot, so kernels serve a whole batch with one launch. One slot page is kept
 zero and never handed out: `null_slot`, the padding target of chunk tables (never selectable).
 
+Parked segments: under extreme pressure a segment no request reads can leave the GPU whole: the
+host tier (mem_cache/host_kv_pool.py) takes copies of its pages (`detach` then frees them, keeping
+what lies outside them: the outlier blocks' positions), and a request that matches it has them
+copied into new pages (`attach` places the segment there: its slots, outlier blocks and basis take
+the new pages' ids). Its host values and id stay taken meanwhile, so it comes back as it was.
+
 GPU values: a compressed segment's values live in the host pool, and, while the dense pool has
 pages to spare, also in pages lent by it (load_values): a page's K and V memory hold
 `values_per_page` chunks of every layer in the host format, bit for bit the host's, which the
@@ -25,6 +31,7 @@ from sglang_shadowkv.kernels.quantize_chunks import chunk_major, quantize_chunks
 
 from .compressed_layout import (basis_pages, element_size, quantize_per_head, segment_pages, slot_layout,
                                 values_per_page)
+from .host_kv_pool import HostEntry
 from .host_memory import PinnedHostTensor
 from .kv_pool import PagedKVPool, to_device
 
@@ -47,6 +54,12 @@ class Segment:
     unlocked_tree_refs: int = 0  # of those, the ones in radix-tree nodes no request holds
     droppable: bool = False  # every reference is an unlocked tree entry: evicting frees its pages
     ranks_on_host: tuple | None = None  # (event, pinned tensor): the ranks' copy started by stage_ranks
+    host_pages: list[int] | None = None  # parked: the host-tier pages holding its pages' copies (pages is [])
+    parked_outlier_pos: torch.Tensor | None = None  # parked: outlier_pos of its blocks, per layer
+
+    @property
+    def parked(self) -> bool:
+        return self.host_pages is not None
 
     @property
     def num_chunks(self) -> int:
@@ -92,6 +105,12 @@ class ChunkRef:
     The radix tree and requests keep these in place of dense page ids."""
     segment: Segment
     index: int
+
+
+@dataclass(eq=False)
+class ParkedChunkRef(ChunkRef, HostEntry):
+    """A ChunkRef whose segment is parked: a host entry for the radix tree (only the tree holds a
+    parked segment's chunks), still a reference that keeps its segment."""
 
 
 class ShadowKVPool:
@@ -195,23 +214,48 @@ class ShadowKVPool:
         n = num_tokens // self.chunk_size
         if num_tokens % self.chunk_size or not self.can_alloc(n, num_outliers):
             return None
-        m, h = self.layout.slots_per_page, self.num_kv_heads
-        slot_pages = self._take_pages(-(-n // m))
-        outlier_pages = self._take_pages(num_outliers)
-        basis_pages = self._take_pages(self.basis_pages_per_segment)
-        slots = torch.tensor([p * m + j for p in slot_pages for j in range(m)][:n], dtype=torch.int64)
+        pages = self._take_pages(self.pages_for(n, num_outliers))
         host = [self._free_host.pop() for _ in range(n)]
-        blocks = torch.tensor(outlier_pages, dtype=torch.int32)[None, :] * h + torch.arange(h, dtype=torch.int32)[:, None]
-        seg = Segment(self._free_segments.pop(), start, num_tokens, to_device(slots, self.device),
-                      to_device(blocks, self.device),
-                      slot_pages + outlier_pages + basis_pages, host, ranks=[0] * self.num_layers,
-                      host_runs=_contiguous_runs(host))
-        self.basis_pages[seg.seg_id] = to_device(torch.tensor(basis_pages, dtype=torch.int32), self.device)
-        self.chunk_pos[seg.chunk_slots] = (start + torch.arange(n, device=self.device) * self.chunk_size).int()
-        self.chunk_basis.index_fill_(0, seg.chunk_slots, seg.seg_id)  # (`t[idx] = int` copies a host scalar: a wait)
-        self.host_slot[seg.chunk_slots] = to_device(torch.tensor(host, dtype=torch.int32), self.device)
+        seg = Segment(self._free_segments.pop(), start, num_tokens, torch.empty(n, dtype=torch.int64),
+                      torch.empty(self.num_kv_heads, num_outliers, dtype=torch.int32), pages, host,
+                      ranks=[0] * self.num_layers, host_runs=_contiguous_runs(host))
+        self._place(seg, pages)
         self.live[seg.seg_id] = seg
         return seg
+
+    def _place(self, seg: Segment, pages: list[int]) -> None:
+        """Address a segment by its pages (slot pages, outlier pages, basis pages, in that order):
+        its chunk slots, outlier blocks and basis page table, and each slot's metadata."""
+        n, m, h = seg.num_chunks, self.layout.slots_per_page, self.num_kv_heads
+        slot_pages, pages = pages[:-(-n // m)], pages[-(-n // m):]
+        outlier_pages, basis_pages = pages[:seg.num_outliers], pages[seg.num_outliers:]
+        slots = torch.tensor([p * m + j for p in slot_pages for j in range(m)][:n], dtype=torch.int64)
+        blocks = torch.tensor(outlier_pages, dtype=torch.int32)[None, :] * h + torch.arange(h, dtype=torch.int32)[:, None]
+        seg.chunk_slots, seg.outlier_blocks = to_device(slots, self.device), to_device(blocks, self.device)
+        self.basis_pages[seg.seg_id] = to_device(torch.tensor(basis_pages, dtype=torch.int32), self.device)
+        self.chunk_pos[seg.chunk_slots] = (seg.start + torch.arange(n, device=self.device) * self.chunk_size).int()
+        self.chunk_basis.index_fill_(0, seg.chunk_slots, seg.seg_id)  # (`t[idx] = int` copies a host scalar: a wait)
+        self.host_slot[seg.chunk_slots] = to_device(torch.tensor(seg.host_slots, dtype=torch.int32), self.device)
+
+    # ---- parking: a segment's GPU state in host memory ---------------------------------------------
+    def detach(self, seg: Segment, host_pages: list[int]) -> int:
+        """The segment's pages were copied to these host-tier pages: free them (its GPU values
+        too), keeping the outlier blocks' positions, which live outside its pages. Returns the
+        dense-pool pages freed."""
+        self.drop_values(seg)
+        blocks = seg.outlier_blocks.long()
+        seg.parked_outlier_pos = torch.stack([pos[blocks] for pos in self.outlier_pos])  # small: kept on the device
+        freed, seg.host_pages = seg.pages, list(host_pages)
+        self.kv.free(freed)
+        seg.pages = []
+        return len(freed)
+
+    def attach(self, seg: Segment, pages: list[int]) -> None:
+        """The parked segment's pages were copied back into these new pages: address it there."""
+        self._place(seg, pages)
+        for pos, saved in zip(self.outlier_pos, seg.parked_outlier_pos):
+            pos[seg.outlier_blocks.long()] = saved
+        seg.pages, seg.host_pages, seg.parked_outlier_pos = list(pages), None, None
 
     def chunk_refs(self, seg: Segment) -> list[ChunkRef]:
         """One reference per chunk of a compressed segment; the segment lives while any does."""
@@ -231,6 +275,8 @@ class ShadowKVPool:
         return freed
 
     def free_segment(self, seg: Segment) -> None:
+        """Give back its pages, host value slots and id (a parked one's host-tier pages are its
+        releaser's: CacheManager)."""
         self.drop_values(seg)
         del self.live[seg.seg_id]
         self.kv.free(seg.pages)

@@ -29,8 +29,18 @@ from .kv_pool import PagedKVPool, to_device
 
 
 
-class HostPage:
-    """A radix-tree entry: one page of KV held in the host tier, page `id` of its pool."""
+class HostEntry:
+    """A radix-tree entry held in host memory, not on the GPU: eviction of GPU memory passes it
+    by, and the host tier's own eviction drops it."""
+    __slots__ = ()
+
+
+def on_host(entry) -> bool:
+    return isinstance(entry, HostEntry)
+
+
+class HostPage(HostEntry):
+    """A radix-tree entry: one page of dense KV held in the host tier, page `id` of its pool."""
     __slots__ = ("id",)
 
     def __init__(self, page_id: int):
@@ -127,13 +137,14 @@ class HostKVPool:
                 host[p] = self.backups.pop(p)
         return [HostPage(host[p]) for p in gpu_pages]
 
-    def load(self, entries: list[HostPage], gpu_pages: list[int]) -> None:
+    def load(self, entries: list[HostPage], gpu_pages: list[int], keep_copies: bool = True) -> None:
         """Copy host pages back into (just allocated) GPU pages, layer by layer. With write_through
-        each keeps its host copy as the backup of its new GPU page; else the host page is freed."""
+        each keeps its host copy as the backup of its new GPU page (keep_copies: pages of the
+        radix tree's dense KV); else the host page is freed."""
         started = time.perf_counter()
         host = [e.id for e in entries]
         self._copy(host, gpu_pages, to_host=False)
-        if self.write_policy == "write_through":
+        if self.write_policy == "write_through" and keep_copies:
             self.backups.update(zip(gpu_pages, host))
         else:
             self.free(host)  # reused only by copies queued after this one, on the same stream
@@ -172,6 +183,12 @@ class HostKVPool:
                     events[-1].record(stream)
         if events:
             self._layer_ready = events
+
+    def wait_loads(self) -> None:
+        """The compute stream waits for every load queued so far, all layers (what a CUDA graph
+        reads cannot wait layer by layer: a parked compressed segment brought back)."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.gpu_pool.device).wait_stream(self._stream)
 
     def wait_layer(self, layer: int) -> None:
         """The GPU pool's before_layer hook: the current stream waits for the last load's pages

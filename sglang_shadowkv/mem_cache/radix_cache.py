@@ -1,15 +1,17 @@
 """Page-aligned radix tree from token prefixes to the KV that holds them.
 
 Every node's span is a whole number of pages and it keeps one *entry* per page: a dense KV page
-id (an int), a page held in the host tier (a HostPage), or a reference to the compressed chunk
-that holds those tokens (any other object: a ShadowKV ChunkRef, when page size = chunk size). A
+id (an int), an entry held in host memory (a HostEntry: a HostPage of the host tier, or a chunk
+of a compressed segment parked there), or a reference to the compressed chunk that holds those
+tokens on the GPU (any other object: a ShadowKV ChunkRef, when page size = chunk size). A
 matched prefix is an entry list a new request can use once its host pages are loaded back, and a
 split always falls on a page boundary, so a compressed span split in two is two views of one
 segment. Nodes on a running request's path are locked. Eviction frees GPU memory from the
 unlocked nodes that hold it with no such node below them, dense ones first, each kind in
 least-recently-used order (compressed state is dropped last: DESIGN.md §3): with a host tier
-(`offload`) a dense node's pages move to host memory and the node stays; otherwise, or when the
-host tier has no room, the node is dropped with what hangs below it. The host tier makes its own
+(`offload`) a dense node's pages move to host memory and the node stays, and (`park`) so does a
+compressed node's segments' GPU state; otherwise, or when the host tier has no room, the node is
+dropped with what hangs below it. The host tier makes its own
 room by dropping its least recently used leaves (`evict_host`). A node's entries can be replaced
 (`replace_entries`: a demotion to compressed chunks, a load back from the host). The tree knows
 nothing of models: it hands released entries to `release`, which says how many GPU pages that
@@ -24,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from .host_kv_pool import HostPage
+from .host_kv_pool import on_host
 
 DROPPED_SPANS_KEPT = 4096
 
@@ -55,15 +57,20 @@ class PrefixMatch:
 class RadixCache:
     def __init__(self, page_size: int, release: Callable[[list], int | None],
                  on_evictable: Callable[[list, int], None] | None = None,
-                 offload: Callable[[list], list | None] | None = None):
+                 offload: Callable[[list], list | None] | None = None,
+                 park: Callable[["TreeNode"], int | None] | None = None):
         """release(entries): frees them, returns the GPU pages freed (None: one per dense entry).
         on_evictable(entries, +1 / -1): entries became evictable (unlocked, in the tree) or stopped.
         offload(dense entries): the host tier's entries for them, their GPU pages freed (None: no
-        room; the node is then dropped)."""
+        room; the node is then dropped).
+        park(compressed node): moves its segments' GPU state to host memory, giving every node
+        that holds them host entries; returns the GPU pages freed (None: it cannot, the node is
+        then dropped)."""
         self.page_size = page_size
         self._release = release
         self._on_evictable = on_evictable
         self._offload = offload
+        self._park = park
         self._clock = itertools.count(1)
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
@@ -78,7 +85,7 @@ class RadixCache:
 
     def _count(self, entries: list, sign: int, evictable: bool = True, total: bool = True) -> None:
         pages = sum(type(e) is int for e in entries)
-        host = sum(type(e) is HostPage for e in entries)
+        host = sum(on_host(e) for e in entries)
         chunks = len(entries) - pages - host
         if total:
             self.total_pages += sign * pages
@@ -195,8 +202,9 @@ class RadixCache:
         """Free GPU memory until num_pages pages are freed and num_chunks compressed chunk entries
         released (or nothing is left): from the unlocked nodes holding GPU entries with none
         below them, dense ones first, oldest first, then those holding compressed entries. A
-        dense node's pages go to the host tier if it takes them; else the node is dropped with
-        its host-only descendants. Returns the GPU pages freed."""
+        dense node's pages go to the host tier if it takes them, and a compressed node's segments
+        are parked there once no more chunk entries must be released (parking keeps them); else
+        the node is dropped with its host-only descendants. Returns the GPU pages freed."""
         heap = [self._evict_key(n) for n in self._gpu_frontier()]
         heapq.heapify(heap)
         freed = chunks = 0
@@ -204,12 +212,18 @@ class RadixCache:
             *_, node = heapq.heappop(heap)
             if node.parent is None or node.lock_ref:  # dropped or locked meanwhile (the host tier's room)
                 continue
+            if not _holds_gpu(node):  # parked meanwhile, with a segment of a node evicted before it
+                continue
             dense = sum(type(e) is int for e in node.pages)
             host = self._offload(node.pages) if self._offload is not None and dense == len(node.pages) else None
+            parked = (self._park(node) if self._park is not None and dense == 0 and chunks >= num_chunks
+                      else None)
             parent = node.parent
             if host is not None:
                 self.replace_entries(node, host)
                 freed += dense
+            elif parked is not None:
+                freed += parked
             else:
                 released, dropped_chunks = self._drop_subtree(node)
                 freed += released
@@ -222,7 +236,7 @@ class RadixCache:
         """Drop the host tier's least recently used unlocked leaves until num_pages host entries
         are released (or none is left); returns how many were."""
         heap = [(n.last_access, id(n), n) for n in self._leaves()
-                if n.lock_ref == 0 and n.pages and all(type(e) is HostPage for e in n.pages)]
+                if n.lock_ref == 0 and n.pages and all(on_host(e) for e in n.pages)]
         heapq.heapify(heap)
         dropped = 0
         while dropped < num_pages and heap:
@@ -231,7 +245,7 @@ class RadixCache:
             dropped += len(node.pages)
             self._drop_subtree(node)
             if (parent is not self.root and not parent.children and parent.lock_ref == 0 and parent.pages
-                    and all(type(e) is HostPage for e in parent.pages)):
+                    and all(on_host(e) for e in parent.pages)):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return dropped
 
@@ -242,7 +256,7 @@ class RadixCache:
         for below in [node, *self._descendants(node)]:
             self._remember_dropped(below)
             dense = sum(type(e) is int for e in below.pages)
-            compressed = sum(type(e) is not int and type(e) is not HostPage for e in below.pages)
+            compressed = sum(type(e) is not int and not on_host(e) for e in below.pages)
             self._count(below.pages, -1, evictable=below.lock_ref == 0)
             released = self._release(below.pages)
             freed += dense if released is None else released
@@ -359,4 +373,4 @@ class RadixCache:
 
 def _holds_gpu(node: TreeNode) -> bool:
     """Whether a node holds GPU memory: dense pages or compressed chunks (not host pages only)."""
-    return any(type(e) is not HostPage for e in node.pages)
+    return any(not on_host(e) for e in node.pages)

@@ -15,13 +15,16 @@ the same stream, after that write.
 With --enable-hierarchical-cache the radix cache has a host tier (mem_cache/host_kv_pool.py):
 pages it evicts move to host memory instead of being dropped, and a request that matches them
 has them loaded back at admission, into pages of its reservation, layer by layer beside its
-first step.
+first step. In ShadowKV mode compressed state, which eviction lets go last, is parked there too
+(its segments' pages copied whole; `_park`), and a request that matches a parked segment has it
+copied back before its first step reads it.
 """
 
 from __future__ import annotations
 
 import math
 
+from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, ParkedChunkRef, Segment
 from sglang_shadowkv.mem_cache.host_kv_pool import HostPage
 from sglang_shadowkv.mem_cache.kv_pool import PoolExhaustedError
 from sglang_shadowkv.mem_cache.radix_cache import PrefixMatch, RadixCache, TreeNode
@@ -46,7 +49,8 @@ class CacheManager:
         self.tree = RadixCache(page_size, self._release_entries,
                                on_evictable=(lambda entries, sign: self.compressed.on_evictable(entries, sign))
                                if shadowkv else None,
-                               offload=self._offload if self.host is not None else None)
+                               offload=self._offload if self.host is not None else None,
+                               park=self._park if self.host is not None and shadowkv else None)
         self.reserved_pages = 0
         # pages the request admission last turned away needs, ShadowKV's segment and scratch row
         # included: what a demotion must free for it
@@ -61,7 +65,14 @@ class CacheManager:
         if self.host is not None:
             entries = self.host.release_entries(entries)
         if self.compressed is not None:
-            return self.compressed.release_entries(entries)
+            parked = {id(e.segment): e.segment for e in entries if type(e) is ParkedChunkRef}
+            freed = self.compressed.release_entries(entries)
+            for seg in parked.values():  # a parked segment whose last reference went: its host pages
+                if seg.refs == 0:
+                    self.host.free(seg.host_pages)
+                    self.host.counters.host_evicted_tokens += seg.num_tokens
+                    seg.host_pages = None
+            return freed
         self.pool.free(entries)
         return len(entries)
 
@@ -92,6 +103,54 @@ class CacheManager:
         self.tree.replace_entries(node, entries)
         return True
 
+    def _park(self, node: TreeNode) -> int | None:
+        """The tree's park hook, for a compressed node it would otherwise drop: its segments' pages
+        move whole to the host tier (made room in by dropping its least recently used documents),
+        and every node holding their chunks holds ParkedChunkRefs instead. Returns the GPU pages
+        freed; None (nothing moved) when some request reads a segment or the host tier cannot
+        take them."""
+        if not node.pages or any(type(e) is not ChunkRef for e in node.pages):
+            return None
+        segments = list({id(e.segment): e.segment for e in node.pages}.values())
+        if not all(seg.droppable for seg in segments):
+            return None
+        need = sum(len(seg.pages) for seg in segments)
+        if need - self.host.num_free > self.tree.evictable_host:
+            return None
+        if need > self.host.num_free:
+            self.tree.evict_host(need - self.host.num_free)
+        if need > self.host.num_free:
+            return None
+        copies = {id(seg): self.host.store(seg.pages) for seg in segments}
+        self._swap_chunk_refs(segments, lambda e: ParkedChunkRef(e.segment, e.index), ChunkRef)
+        freed = 0
+        for seg in segments:
+            freed += self.compressed.store.detach(seg, [e.id for e in copies[id(seg)]])
+            self.compressed.counters.parked_tokens += seg.num_tokens
+        return freed
+
+    def _unpark(self, segments: list[Segment]) -> dict[int, ChunkRef]:
+        """Copy parked segments back into new GPU pages (the caller made room) and give their
+        tree nodes ChunkRefs again; returns each replaced entry's successor, by id."""
+        for seg in segments:
+            pages = self.pool.alloc(len(seg.host_pages))
+            self.host.load([HostPage(i) for i in seg.host_pages], pages, keep_copies=False)
+            self.compressed.store.attach(seg, pages)
+            self.compressed.counters.unparked_tokens += seg.num_tokens
+        self.host.wait_loads()  # a suffix step's CUDA graph may read them: no layer-by-layer wait there
+        return self._swap_chunk_refs(segments, lambda e: ChunkRef(e.segment, e.index), ParkedChunkRef)
+
+    def _swap_chunk_refs(self, segments: list[Segment], make, kind: type) -> dict[int, ChunkRef]:
+        """Replace, in every tree node, the `kind` references to these segments by make(ref): the
+        tree re-counts each node's entries (a parked chunk is a host entry)."""
+        ids, successors = {id(seg) for seg in segments}, {}
+        for node in list(self.tree.nodes()):
+            if any(type(e) is kind and id(e.segment) in ids for e in node.pages):
+                entries = [make(e) if type(e) is kind and id(e.segment) in ids else e for e in node.pages]
+                successors.update({id(old): new for old, new in zip(node.pages, entries) if old is not new})
+                self.tree.replace_entries(node, entries)
+        return successors
+
     def _back_up(self, entries: list) -> None:
         """write_through: the dense pages the tree just took get their host copy now."""
         if self.host is not None and self.host.write_policy == "write_through":
@@ -103,11 +162,18 @@ class CacheManager:
         dense, and the request reads them as it reads any cached page. A match with no host
         page loads nothing (an empty load still launched a copy per layer and side)."""
         host = [i for i, e in enumerate(match.pages) if type(e) is HostPage]
+        parked = list({id(e.segment): e.segment for e in match.pages if type(e) is ParkedChunkRef}.values())
+        if not host and not parked:
+            return True
+        parked_pages = sum(len(seg.host_pages) for seg in parked)
+        if len(host) + parked_pages + need > self.available_pages():
+            return False
+        self.make_room(len(host) + parked_pages)
+        if parked:
+            successors = self._unpark(parked)
+            match.pages = [successors.get(id(e), e) for e in match.pages]
         if not host:
             return True
-        if len(host) + need > self.available_pages():
-            return False
-        self.make_room(len(host))
         pages = self.pool.alloc(len(host))
         self.host.load([match.pages[i] for i in host], pages)
         if self.rates is not None:
@@ -155,7 +221,9 @@ class CacheManager:
         need = self.pages_for(req.max_total_len) - len(match.pages)
         if self.host is not None and not self._load_from_host(match, need):
             self.tree.unlock(match.node)
-            self.turned_away_need = need + sum(type(e) is HostPage for e in match.pages)
+            self.turned_away_need = need + sum(type(e) is HostPage for e in match.pages) + sum(
+                len(seg.host_pages) for seg in {id(e.segment): e.segment for e in match.pages
+                                                if type(e) is ParkedChunkRef}.values())
             return False
         plan = None if self.compressed is None else self.compressed.plan(req, match.pages, long_demand)
         extra = 0 if plan is None else plan.extra_pages

@@ -22,7 +22,8 @@ def holders(tier: "CompressedTier") -> dict:
     """Who holds the compressed state: once idle, every segment, host slot and chunk reference is
     free or the radix tree's (or a demotion's), and every scratch row is free."""
     store, tree = tier.store, tier.tree
-    in_tree = {id(e.segment): e.segment for e in tree.entries() if isinstance(e, ChunkRef)}
+    refs = [e for e in tree.entries() if isinstance(e, ChunkRef)]  # on the GPU or parked in the host tier
+    in_tree = {id(e.segment): e.segment for e in refs}
     demoting = [] if tier.demoter is None else tier.demoter.segments()
     return {"segments": store.max_segments, "free_segments": store.free_segments,
             "tree_segments": len(in_tree), "demoting_segments": len(demoting),
@@ -30,7 +31,8 @@ def holders(tier: "CompressedTier") -> dict:
             "tree_chunk_slots": sum(seg.num_chunks for seg in in_tree.values()),
             "demoting_chunk_slots": sum(seg.num_chunks for seg in demoting),
             "chunk_refs": sum(seg.refs for seg in store.live.values()),
-            "tree_chunk_refs": tree.total_chunks,
+            "tree_chunk_refs": len(refs),
+            "parked_segments": sum(seg.parked for seg in in_tree.values()),
             "scratch_rows": tier.decoder.max_rows, "free_scratch_rows": tier.decoder.free_rows}
 
 

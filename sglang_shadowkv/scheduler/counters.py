@@ -60,6 +60,8 @@ class CompressionCounters(Counters):
     compressed_tokens_reused: int = 0  # tokens of those prefixes
     gpu_value_loads: int = 0  # segments whose values were copied onto the GPU (lent pages)
     gpu_value_drops: int = 0  # segments whose GPU values were given back (read from the host since)
+    parked_tokens: int = 0  # tokens of segments whose GPU state moved to the host tier (extreme pressure)
+    unparked_tokens: int = 0  # tokens of parked segments a request matched, copied back to the GPU
 
 
 @dataclass

@@ -21,8 +21,8 @@ import hashlib
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Protocol
 
-from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef
-from sglang_shadowkv.mem_cache.host_kv_pool import HostPage
+from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, ParkedChunkRef
+from sglang_shadowkv.mem_cache.host_kv_pool import HostPage, on_host
 
 if TYPE_CHECKING:
     from .request import Req
@@ -60,7 +60,8 @@ def check_pools(cache: Pools, running: list["Req"]) -> None:
     if cache.compressed is not None:
         _check_compressed(errors, cache, tree_entries, owned, running)
     if cache.host is not None:
-        _check_host(errors, cache.host, tree_entries)
+        parked = [] if cache.compressed is None else [s for s in cache.compressed.store.live.values() if s.parked]
+        _check_host(errors, cache.host, tree_entries, [p for seg in parked for p in seg.host_pages])
     if errors:
         raise RuntimeError("pool accounting is broken: " + "; ".join(errors))
 
@@ -81,16 +82,17 @@ def _check_once(errors: list[str], what: str, universe, free: list, held: list) 
 
 def _check_tree_counts(errors: list[str], cache: Pools, entries: list) -> None:
     dense = sum(type(e) is int for e in entries)
-    host = sum(type(e) is HostPage for e in entries)
+    host = sum(on_host(e) for e in entries)
     tree = cache.tree
     if (dense, len(entries) - dense - host, host) != (tree.total_pages, tree.total_chunks, tree.total_host):
         errors.append(f"radix tree counts {tree.total_pages} pages, {tree.total_chunks} chunks and "
                       f"{tree.total_host} host pages but holds {dense}, {len(entries) - dense - host} and {host}")
 
 
-def _check_host(errors: list[str], host, tree_entries: list) -> None:
-    """Every host page is free, a tree entry, or the copy of a dense page the tree holds."""
-    held = [e.id for e in tree_entries if type(e) is HostPage] + list(host.backups.values())
+def _check_host(errors: list[str], host, tree_entries: list, parked_pages: list[int]) -> None:
+    """Every host page is free, a tree entry, the copy of a dense page the tree holds, or a page
+    of a parked compressed segment."""
+    held = [e.id for e in tree_entries if type(e) is HostPage] + list(host.backups.values()) + parked_pages
     _check_once(errors, "host page", range(host.num_pages), host.free_ids(), held)
     strays = set(host.backups) - {e for e in tree_entries if type(e) is int}
     if strays:
@@ -107,6 +109,18 @@ def _check_compressed(errors: list[str], cache: Pools, tree_entries: list, owned
     for seg in store.live.values():
         if seg.refs != refs[id(seg)] or (seg.refs == 0 and id(seg) not in unreferenced):
             errors.append(f"segment {seg.seg_id} counts {seg.refs} references, {refs[id(seg)]} are held")
+    # a parked segment holds no GPU page and only the tree refers to it, by ParkedChunkRefs; no
+    # segment on the GPU is referred to by one
+    for e in tree_entries + owned:
+        if isinstance(e, ChunkRef) and (type(e) is ParkedChunkRef) != e.segment.parked:
+            errors.append(f"segment {e.segment.seg_id} ({'parked' if e.segment.parked else 'on the GPU'}) "
+                          f"is referred to by a {type(e).__name__}")
+            break
+    if any(type(e) is ParkedChunkRef for e in owned):
+        errors.append("a running request holds a parked segment's chunk")
+    for seg in store.live.values():
+        if seg.parked and (seg.pages or seg.value_pages):
+            errors.append(f"parked segment {seg.seg_id} still holds {len(seg.pages) + len(seg.value_pages)} GPU pages")
     droppable = sum(len(seg.pages) for seg in store.live.values() if seg.droppable)
     if droppable != tier.droppable_pages:
         errors.append(f"droppable compressed pages: {tier.droppable_pages} counted, {droppable} marked")
@@ -133,7 +147,7 @@ def accounting_digest(cache: Pools, running: list["Req"]) -> str:
 
     def entry(e) -> tuple:
         if isinstance(e, ChunkRef):
-            return ("c", e.segment.seg_id, e.index)
+            return ("hc" if type(e) is ParkedChunkRef else "c", e.segment.seg_id, e.index)
         return ("h", e.id) if type(e) is HostPage else ("p", e)
 
     for node in sorted(cache.tree.nodes(), key=lambda n: (cache.tree.node_start(n), n.key)):
