@@ -120,10 +120,11 @@ def test_compressed_documents_parked_in_the_host_tier_come_back_as_they_were(tin
             after = engine.get_server_info()
             answers[total] = [h["output_ids"] for h in hits]
             stats[total] = dict(parked_before=before["shadowkv"]["parked_tokens"],
+                                parked_pages=before["shadowkv"]["pools"]["parked_segment_pages"],
                                 unparked=after["shadowkv"]["unparked_tokens"] - before["shadowkv"]["unparked_tokens"],
                                 prefilled=after["stats"]["prefill_tokens"] - before["stats"]["prefill_tokens"],
                                 cached=[h["meta_info"]["cached_tokens"] for h in hits])
-    assert stats[8192]["parked_before"] == 0
+    assert stats[8192]["parked_before"] == stats[8192]["parked_pages"] == 0 < stats[1536]["parked_pages"]
     assert stats[1536]["parked_before"] >= 3 * 688 and stats[1536]["unparked"] >= 3 * 688
     assert stats[1536]["prefilled"] == stats[8192]["prefilled"] == 6 * 7  # whole pages cached, then the question
     assert stats[1536]["cached"] == stats[8192]["cached"]

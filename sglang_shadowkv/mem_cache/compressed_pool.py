@@ -452,8 +452,10 @@ class ShadowKVPool:
 
     def capacity_bytes(self) -> dict[str, int]:
         live = [self.segment_bytes(seg) for seg in self.live.values()]
+        on_gpu = [b for b, seg in zip(live, self.live.values()) if not seg.parked]
         return {"host_pool_bytes": sum(t.numel() * t.element_size() for t in self.host_v), "segments": len(live),
-                "segment_gpu_bytes": sum(b["gpu_compressed_bytes"] for b in live),
+                "segment_gpu_bytes": sum(b["gpu_compressed_bytes"] for b in on_gpu),
+                "parked_segment_pages": sum(len(seg.host_pages) for seg in self.live.values() if seg.parked),
                 "segment_host_bytes": sum(b["host_bytes"] for b in live),
                 "segment_pages": sum(len(seg.pages) for seg in self.live.values()),
                 "gpu_value_pages": sum(len(seg.value_pages) for seg in self.live.values()),
