@@ -44,6 +44,10 @@ case "$1" in
       --workloads "${@:4}" ;;
   full|shadowkv)
     install
+    # a fresh machine compiles FlashInfer's modules at the first server's first steps: beside the
+    # host tier's and ShadowKV's pinned memory the compiler's jobs were killed for memory (H100,
+    # 125 GiB), so warm the JIT cache without the host tier first
+    if [ -n "${HICACHE:-}" ] && [ ! -d "$HOME/.cache/flashinfer" ]; then client_bench full jitwarm --workloads smoke_8k; fi
     client_bench "$1" "$2" --workload-timeout "${WT:-300}" ${HICACHE:+--server-flag=--enable-hierarchical-cache} \
       --workloads "${@:3}" ;;
 esac
