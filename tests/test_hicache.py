@@ -131,6 +131,19 @@ def test_compressed_documents_parked_in_the_host_tier_come_back_as_they_were(tin
     assert answers[1536] == answers[8192]
 
 
+@pytest.mark.parametrize("host_tier,value_tokens", [(False, 2048), (True, 3072)])
+def test_a_full_compressed_value_pool_drops_cached_documents_rather_than_turning_requests_away(
+        tiny_model_path, host_tier, value_tokens):
+    """Host values for about two (three) compressed documents: each new one frees slots by dropping
+    the least recently used cached ones (parked ones first) instead of aborting with "the ShadowKV
+    pools are full"."""
+    cfg = {**PARKING, "shadowkv_host_tokens": value_tokens, "enable_hierarchical_cache": host_tier}
+    with Engine(model_path=tiny_model_path, max_total_tokens=1536, **cfg) as engine:
+        outs = [engine.generate(input_ids=document(d, 700) + QUESTION, sampling_params=GREEDY) for d in range(6)]
+        assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 6
+        assert engine.get_server_info()["shadowkv"]["compressions"] == 6
+
+
 def integrity_check_sees_parked_state(sched) -> None:
     """The idle-time check is not vacuous about parked segments: a host page of one handed back
     to the free list, or a tree entry that calls it on the GPU, both raise."""

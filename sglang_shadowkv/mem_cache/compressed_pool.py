@@ -205,8 +205,15 @@ class ShadowKVPool:
         return {"segments": list(self._free_segments), "host_slots": list(self._free_host)}
 
     # ---- segments ------------------------------------------------------------------------------
-    def can_alloc(self, num_chunks: int, num_outliers: int) -> bool:
-        return (num_chunks <= len(self._free_host) and bool(self._free_segments)
+    @property
+    def parked_chunks(self) -> int:
+        """Host value slots that parked segments hold (dropping them frees these)."""
+        return sum(seg.num_chunks for seg in self.live.values() if seg.parked)
+
+    def can_alloc(self, num_chunks: int, num_outliers: int, reclaimable_chunks: int = 0) -> bool:
+        """Whether a segment fits: its host value slots (counting reclaimable_chunks more), an id,
+        and its pages among the free ones."""
+        return (num_chunks <= len(self._free_host) + reclaimable_chunks and bool(self._free_segments)
                 and self.pages_for(num_chunks, num_outliers) <= self.kv.num_free)
 
     def alloc_segment(self, start: int, num_tokens: int, num_outliers: int) -> Segment | None:

@@ -232,11 +232,12 @@ class RadixCache:
                 heapq.heappush(heap, self._evict_key(parent))
         return freed
 
-    def evict_host(self, num_pages: int) -> int:
-        """Drop the host tier's least recently used unlocked leaves until num_pages host entries
-        are released (or none is left); returns how many were."""
+    def evict_host(self, num_pages: int, only: Callable[[object], bool] = on_host) -> int:
+        """Drop the host tier's least recently used unlocked leaves (those whose every entry is
+        `only`'s: any host entry by default) until num_pages host entries are released (or none
+        is left); returns how many were."""
         heap = [(n.last_access, id(n), n) for n in self._leaves()
-                if n.lock_ref == 0 and n.pages and all(on_host(e) for e in n.pages)]
+                if n.lock_ref == 0 and n.pages and all(only(e) for e in n.pages)]
         heapq.heapify(heap)
         dropped = 0
         while dropped < num_pages and heap:
@@ -245,7 +246,7 @@ class RadixCache:
             dropped += len(node.pages)
             self._drop_subtree(node)
             if (parent is not self.root and not parent.children and parent.lock_ref == 0 and parent.pages
-                    and all(on_host(e) for e in parent.pages)):
+                    and all(only(e) for e in parent.pages)):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return dropped
 

@@ -37,7 +37,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, Segment
+from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, ParkedChunkRef, Segment
 from sglang_shadowkv.mem_cache.radix_cache import PrefixMatch, RadixCache, TreeNode
 from sglang_shadowkv.model_executor.model_runner import ModelRunner
 from sglang_shadowkv.shadowkv.memory_report import request_report
@@ -170,6 +170,7 @@ class CompressedTier:
         it is long, or when the request scores its prompt (logprobs)."""
         seg = None
         if plan.own_span:
+            self.free_value_slots(plan.own_span // self.cfg.chunk_size)
             seg = self.store.alloc_segment(plan.start, plan.own_span, self.cfg.num_outliers(plan.own_span // self.cfg.chunk_size))
             if seg is None:
                 return None
@@ -189,6 +190,17 @@ class CompressedTier:
         return state
 
     # ---- prompt done --------------------------------------------------------------------------
+    def free_value_slots(self, chunks: int) -> None:
+        """Make `chunks` host value slots free for a new segment: drop parked segments, least
+        recently used first, then compressed documents on the GPU that no request reads. Without
+        it a full host value pool turned requests away ("the ShadowKV pools are full") while the
+        cache held documents it could drop. (The second step is the tree's eviction for chunk
+        entries, which lets dense frontier nodes go first: the short suffixes below documents.)"""
+        while self.store.free_chunks < chunks and self.tree.evict_host(1, only=lambda e: type(e) is ParkedChunkRef):
+            pass
+        if self.store.free_chunks < chunks:
+            self.tree.evict(0, num_chunks=chunks - self.store.free_chunks)
+
     def on_prompt_done(self, req: Req) -> None:
         """After the step that completed the prompt (and compressed the own span, if any)."""
         st = req.shadowkv

@@ -157,7 +157,8 @@ class Demoter:
         """(pool pages a segment of `span` tokens takes, whether the compressed pool can take it)."""
         chunks = span // self.page_size
         outliers = self.cfg.num_outliers(chunks)
-        return self.store.pages_for(chunks, outliers), self.store.can_alloc(chunks, outliers)
+        # parked segments' host value slots count: _start frees them when it needs them
+        return self.store.pages_for(chunks, outliers), self.store.can_alloc(chunks, outliers, self.store.parked_chunks)
 
     def _span(self, node: TreeNode) -> int:
         """Tokens of an all-dense node to compress (0: none, or not all dense)."""
@@ -208,6 +209,7 @@ class Demoter:
         segment; False, nothing taken, when the compressed pool cannot."""
         if span < len(node.key):
             node = self.tree.split(node, span)  # the upper part: its recent tail stays dense
+        self.tier.free_value_slots(span // self.page_size)
         segment = self.store.alloc_segment(self.tree.node_start(node), span, self.cfg.num_outliers(span // self.page_size))
         if segment is None:
             return False
