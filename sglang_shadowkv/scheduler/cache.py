@@ -65,9 +65,9 @@ class CacheManager:
         if self.host is not None:
             entries = self.host.release_entries(entries)
         if self.compressed is not None:
-            parked = {id(e.segment): e.segment for e in entries if type(e) is ParkedChunkRef}
+            parked = _segments(entries, ParkedChunkRef)
             freed = self.compressed.release_entries(entries)
-            for seg in parked.values():  # a parked segment whose last reference went: its host pages
+            for seg in parked:  # a parked segment whose last reference went: its host pages
                 if seg.refs == 0:
                     self.host.free(seg.host_pages)
                     self.host.counters.host_evicted_tokens += seg.num_tokens
@@ -111,7 +111,7 @@ class CacheManager:
         take them."""
         if not node.pages or any(type(e) is not ChunkRef for e in node.pages):
             return None
-        segments = list({id(e.segment): e.segment for e in node.pages}.values())
+        segments = _segments(node.pages, ChunkRef)
         if not all(seg.droppable for seg in segments):
             return None
         need = sum(len(seg.pages) for seg in segments)
@@ -162,13 +162,13 @@ class CacheManager:
         dense, and the request reads them as it reads any cached page. A match with no host
         page loads nothing (an empty load still launched a copy per layer and side)."""
         host = [i for i, e in enumerate(match.pages) if type(e) is HostPage]
-        parked = list({id(e.segment): e.segment for e in match.pages if type(e) is ParkedChunkRef}.values())
+        parked = _segments(match.pages, ParkedChunkRef)
         if not host and not parked:
             return True
-        parked_pages = sum(len(seg.host_pages) for seg in parked)
-        if len(host) + parked_pages + need > self.available_pages():
+        to_load = _host_pages(match.pages)
+        if to_load + need > self.available_pages():
             return False
-        self.make_room(len(host) + parked_pages)
+        self.make_room(to_load)
         if parked:
             successors = self._unpark(parked)
             match.pages = [successors.get(id(e), e) for e in match.pages]
@@ -221,9 +221,7 @@ class CacheManager:
         need = self.pages_for(req.max_total_len) - len(match.pages)
         if self.host is not None and not self._load_from_host(match, need):
             self.tree.unlock(match.node)
-            self.turned_away_need = need + sum(type(e) is HostPage for e in match.pages) + sum(
-                len(seg.host_pages) for seg in {id(e.segment): e.segment for e in match.pages
-                                                if type(e) is ParkedChunkRef}.values())
+            self.turned_away_need = need + _host_pages(match.pages)
             return False
         plan = None if self.compressed is None else self.compressed.plan(req, match.pages, long_demand)
         extra = 0 if plan is None else plan.extra_pages
@@ -429,3 +427,15 @@ def _path(node) -> list:
         path.append(node)
         node = node.parent
     return path[::-1]
+
+
+def _segments(entries: list, kind: type) -> list[Segment]:
+    """The distinct segments that the `kind` references among entries refer to, in order."""
+    return list({id(e.segment): e.segment for e in entries if type(e) is kind}.values())
+
+
+def _host_pages(entries: list) -> int:
+    """GPU pages that bringing entries back from the host takes: each dense host page, and every
+    page of each parked segment."""
+    return sum(type(e) is HostPage for e in entries) + sum(len(seg.host_pages)
+                                                          for seg in _segments(entries, ParkedChunkRef))

@@ -153,12 +153,13 @@ class Demoter:
             elif not self._start(node, span, COMPRESSED_NO_ROOM if reason == TO_HOST else reason):
                 return
 
-    def _segment_pages(self, span: int) -> tuple[int, bool]:
-        """(pool pages a segment of `span` tokens takes, whether the compressed pool can take it)."""
+    def _segment_pages(self, span: int, reclaimable_chunks: int) -> tuple[int, bool]:
+        """(pool pages a segment of `span` tokens takes, whether the compressed pool can take it,
+        counting reclaimable_chunks more host value slots: parked segments', which _start frees
+        when it needs them)."""
         chunks = span // self.page_size
         outliers = self.cfg.num_outliers(chunks)
-        # parked segments' host value slots count: _start frees them when it needs them
-        return self.store.pages_for(chunks, outliers), self.store.can_alloc(chunks, outliers, self.store.parked_chunks)
+        return self.store.pages_for(chunks, outliers), self.store.can_alloc(chunks, outliers, reclaimable_chunks)
 
     def _span(self, node: TreeNode) -> int:
         """Tokens of an all-dense node to compress (0: none, or not all dense)."""
@@ -169,14 +170,14 @@ class Demoter:
     def _candidate(self, available_pages: int) -> tuple[TreeNode, int] | None:
         """(node, tokens of it to compress) of the least recently used unlocked all-dense node long
         enough to compress, whose lock and segment the available pages allow."""
-        best = None
+        best, reclaimable = None, self.store.parked_chunks
         for node in self.tree.nodes():
             if node.lock_ref or (best is not None and node.last_access >= best[0].last_access):
                 continue
             span = self._span(node)
             if span <= 0:
                 continue
-            pages, fits = self._segment_pages(span)
+            pages, fits = self._segment_pages(span, reclaimable)
             if pages + span // self.page_size <= available_pages and fits:
                 best = (node, span)
         return best
@@ -198,8 +199,9 @@ class Demoter:
         rates = self.tier.rates.agreed(self.tier.runner.tp)
         room = self.tier.headroom() - watermark_pages(self.pool)
         found = [(node, span, [remaining_steps(r, rates) for r in readers]) for node, span, readers in found]
+        reclaimable = self.store.parked_chunks
         for node, span, steps in sorted(found, key=lambda f: -f[1] * sum(f[2])):
-            pages, fits = self._segment_pages(span)
+            pages, fits = self._segment_pages(span, reclaimable)
             if (fits and pages + len(steps) * self.tier.decoder.row_pages <= room
                     and decode_pays(span, steps, rates) and self._start(node, span, COMPRESSED_DECODE_PAYS)):
                 return
