@@ -121,7 +121,7 @@ class Demoter:
         available_pages: free + evictable - reserved."""
         self.steps += 1
         if self.job is None and self.wanted(waiting_need):
-            self._relieve(available_pages, waiting_need)
+            self._relieve(available_pages, waiting_need, _sparse_rows(running))
         elif self.job is None and self.steps % DECODE_PAYS_EVERY == 0:
             self._compress_where_decode_pays(running)
         job = self.job
@@ -135,10 +135,10 @@ class Demoter:
         if job.layer == self.store.num_layers:
             self._finish(job, running)
 
-    def _relieve(self, available_pages: int, waiting_need: int) -> None:
+    def _relieve(self, available_pages: int, waiting_need: int, sparse_rows: int) -> None:
         """Memory is short: the least recently used long dense documents leave the GPU, each where
-        the cost rule sends it, until it is not (a move to the host frees its pages at once) or a
-        compression job starts."""
+        the cost rule sends it (sparse_rows: running rows that decode sparse), until it is not (a
+        move to the host frees its pages at once) or a compression job starts."""
         rates = None  # rank 0's, gathered once (a collective under tensor parallelism)
         while self.job is None and self.wanted(waiting_need):
             found = self._candidate(available_pages)
@@ -147,7 +147,7 @@ class Demoter:
             node, span = found
             if rates is None:
                 rates = self.tier.rates.agreed(self.tier.runner.tp)
-            reason = leave_gpu(len(node.key), rates, host_tier=self.tier.to_host is not None)
+            reason = leave_gpu(len(node.key), rates, self.tier.to_host is not None, sparse_rows)
             if reason == TO_HOST and self.tier.to_host(node):
                 self._count(TO_HOST)
             elif not self._start(node, span, COMPRESSED_NO_ROOM if reason == TO_HOST else reason):
@@ -200,10 +200,12 @@ class Demoter:
         room = self.tier.headroom() - watermark_pages(self.pool)
         found = [(node, span, [remaining_steps(r, rates) for r in readers]) for node, span, readers in found]
         reclaimable = self.store.parked_chunks
+        sparse_rows = _sparse_rows(running)
         for node, span, steps in sorted(found, key=lambda f: -f[1] * sum(f[2])):
             pages, fits = self._segment_pages(span, reclaimable)
             if (fits and pages + len(steps) * self.tier.decoder.row_pages <= room
-                    and decode_pays(span, steps, rates) and self._start(node, span, COMPRESSED_DECODE_PAYS)):
+                    and decode_pays(span, steps, rates, sparse_rows)
+                    and self._start(node, span, COMPRESSED_DECODE_PAYS)):
                 return
 
     def _start(self, node: TreeNode, span: int, reason: str) -> bool:
@@ -310,3 +312,8 @@ def _shared(pages: list, first: int, span: list) -> int:
             break
         n += 1
     return n
+
+
+def _sparse_rows(running: list[Req]) -> int:
+    """Running requests that decode sparse (over a compressed prefix)."""
+    return sum(1 for r in running if r.prompt_done and r.over_compressed_prefix)

@@ -14,6 +14,11 @@ The rule, in the units the scheduler measures (`Rates`):
   prefill time) + the same steps as a sparse row. So a short document, or short answers, go to the
   host; a long one read by many decode steps is compressed. It is compressed also when there is no
   host tier or the host tier cannot take it.
+- A sparse row's cost includes its share of the sparse path, which a step runs once for all its
+  sparse rows (`sparse_row_cost`): a few sparse rows beside many dense ones pay it almost alone.
+  On the H100 (many_16k: 16K documents, 32-token answers) a sparse row cost 0.39 ms against 1.16
+  ms dense, but the path 6.8 ms a step: compressing documents a few rows read made the steps
+  slower.
 - Without pressure a dense document that running decode rows read is compressed when sparse
   decode pays (`decode_pays`): over the rows' remaining decode steps, what the dense step spends
   reading it, less what a sparse row costs, exceeds the one-off compression. The rows then decode
@@ -39,6 +44,13 @@ HBM_BYTES_PER_S = 3.0e12
 PCIE_BYTES_PER_S = 53e9  # pinned host to GPU; also the ceiling of a measurement (below)
 PREFILL_TOKENS_PER_S = 23_000.0  # 16K tokens of the 8B shape in about 0.7 s
 SPARSE_ROW_TOKENS = 16384  # a sparse row costs about a dense row's read of 16K tokens (issue 53: 0.8 ms)
+# a step with any sparse row runs the sparse path's kernels (scores, selection, rebuild, gather,
+# attention) once: on the H100 a layer of them took 0.11-0.20 ms for one row of 32K or 128K
+# (bench_kernels_decode_layer_h100.json), about a dense read of 100K tokens; in the server's steps
+# the fit measured 6.8 ms (many_16k, H100). Without this term 2-3 rows of a 32K document with
+# 64-token answers looked worth compressing (H200, shared_32k): the steps got no faster and the run
+# was 0.945x of full attention
+SPARSE_STEP_TOKENS = 98304
 ANSWER_TOKENS = 128.0  # decode steps of a hit's answer
 # compressing a document costs this share of its prefill: measured on the H100 (8B shape), 6-11% for
 # one cold document alone (cold_and_hit.py, 16K and 32K) and about 19% in the steps of a busy
@@ -65,33 +77,34 @@ class Average:
 
 class DecodeFit:
     """A decode-only step's seconds = base + dense tokens its rows read x seconds per token + sparse
-    rows x seconds per sparse row: least squares over recent steps (older steps' weight decays by
-    FIT_DECAY a step), pulled toward the priors as if PRIOR_STEPS steps had agreed with them. Solved
-    for each term's factor over its prior, so the pull is scale-free; a term no step has had keeps
-    its prior, but a sparse row's stays a dense read's worth as measured (on a CPU, or a model
-    unlike the priors' 8B shape, the priors' scale means nothing). A step's rows are not timed
-    apart, so only a fit separates a row's read from the step's fixed cost (the weights)."""
+    rows x seconds per sparse row + (any sparse row) x the sparse path's seconds a step: least
+    squares over recent steps (older steps' weight decays by FIT_DECAY a step), pulled toward the
+    priors as if PRIOR_STEPS steps had agreed with them. Solved for each term's factor over its
+    prior, so the pull is scale-free; a term no step has had keeps its prior, but the sparse terms
+    stay a dense read's worth as measured (on a CPU, or a model unlike the priors' 8B shape, the
+    priors' scale means nothing). A step's rows are not timed apart, so only a fit separates a
+    row's read from the step's fixed cost (the weights)."""
 
-    def __init__(self, prior: tuple[float, float, float]):
+    def __init__(self, prior: tuple[float, float, float, float]):
         self.prior = torch.tensor(prior, dtype=torch.float64)
-        self.gram = torch.zeros(3, 3, dtype=torch.float64)
-        self.moment = torch.zeros(3, dtype=torch.float64)
+        self.gram = torch.zeros(4, 4, dtype=torch.float64)
+        self.moment = torch.zeros(4, dtype=torch.float64)
         self.weight = 0.0
         self.coefficients = list(prior)
 
     def add(self, seconds: float, dense_tokens: int, sparse_rows: int) -> None:
         # each term's seconds by its prior
-        z = self.prior * torch.tensor([1.0, dense_tokens, sparse_rows], dtype=torch.float64)
+        z = self.prior * torch.tensor([1.0, dense_tokens, sparse_rows, sparse_rows > 0], dtype=torch.float64)
         self.gram.mul_(1 - FIT_DECAY).add_(torch.outer(z, z))
         self.moment.mul_(1 - FIT_DECAY).add_(z * seconds)
         self.weight = self.weight * (1 - FIT_DECAY) + 1
         seen = (self.gram.diagonal() > 0).nonzero().flatten()
         gram, moment = self.gram[seen][:, seen], self.moment[seen]
         ridge = PRIOR_STEPS * gram.diagonal() / self.weight
-        factors = torch.ones(3, dtype=torch.float64)
+        factors = torch.ones(4, dtype=torch.float64)
         factors[seen] = torch.linalg.solve(gram + torch.diag(ridge), moment + ridge)
-        if not self.gram[2, 2]:  # no sparse row yet: SPARSE_ROW_TOKENS dense tokens' worth, as measured
-            factors[2] = factors[1]
+        if not self.gram[2, 2]:  # no sparse row yet: SPARSE_ROW_TOKENS and SPARSE_STEP_TOKENS dense
+            factors[2:] = factors[1]  # tokens' worth, as measured
         self.coefficients = (self.prior * factors.clamp_min(MIN_FACTOR)).tolist()
 
 
@@ -108,10 +121,12 @@ class Rates:
 
     @classmethod
     def priors(cls, kv_bytes_per_token: int, weight_bytes: int) -> "Rates":
-        """A model's priors: a decode step reads its weights, a dense row its context's KV, and a
-        sparse row SPARSE_ROW_TOKENS tokens' worth, at HBM speed."""
+        """A model's priors: a decode step reads its weights, a dense row its context's KV, a
+        sparse row SPARSE_ROW_TOKENS tokens' worth and the sparse path SPARSE_STEP_TOKENS, at HBM
+        speed."""
         per_token = kv_bytes_per_token / HBM_BYTES_PER_S
-        prior = (weight_bytes / HBM_BYTES_PER_S, per_token, SPARSE_ROW_TOKENS * per_token)
+        prior = (weight_bytes / HBM_BYTES_PER_S, per_token, SPARSE_ROW_TOKENS * per_token,
+                 SPARSE_STEP_TOKENS * per_token)
         return cls(kv_bytes_per_token, DecodeFit(prior))
 
     def agreed(self, tp) -> "Rates":
@@ -147,6 +162,11 @@ class Rates:
         """What one decode step of one row over a compressed document spends on it."""
         return self.decode.coefficients[2]
 
+    @property
+    def sparse_step_s(self) -> float:
+        """What a decode step with any sparse row spends running the sparse path at all."""
+        return self.decode.coefficients[3]
+
     def reload_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / self.pcie_bytes_per_s
 
@@ -155,30 +175,38 @@ class Rates:
 
     def as_dict(self) -> dict[str, float]:
         """server_info's view: the rates and the decode fit's terms."""
-        base, per_token, sparse_row = self.decode.coefficients
+        base, per_token, sparse_row, sparse_step = self.decode.coefficients
         return {"prefill_tokens_per_s": self.prefill.value, "pcie_bytes_per_s": self.pcie_bytes_per_s,
                 "answer_tokens": self.answer.value, "decode_base_s": base,
-                "dense_row_s_per_token": per_token, "sparse_row_s": sparse_row}
+                "dense_row_s_per_token": per_token, "sparse_row_s": sparse_row, "sparse_step_s": sparse_step}
 
 
 # ---- the rule ------------------------------------------------------------------------------------
-def leave_gpu(tokens: int, rates: Rates, host_tier: bool) -> str:
+def sparse_row_cost(rates: Rates, sparse_rows: int) -> float:
+    """A sparse row's seconds a step when `sparse_rows` rows decode sparse (itself included): its
+    own, and its share of the sparse path the step runs once for all of them."""
+    return rates.sparse_row_s + rates.sparse_step_s / max(1, sparse_rows)
+
+
+def leave_gpu(tokens: int, rates: Rates, host_tier: bool, sparse_running: int) -> str:
     """Where a dense document of `tokens` tokens that must leave the GPU goes: TO_HOST or a
     compressed reason. host_tier: a host tier is on (if it then cannot take the document, the
-    caller compresses it for COMPRESSED_NO_ROOM). A tie goes to the host: it is exact."""
+    caller compresses it for COMPRESSED_NO_ROOM). sparse_running: rows decoding sparse now, beside
+    which its next hit's row would decode. A tie goes to the host: it is exact."""
     if not host_tier:
         return COMPRESSED_NO_ROOM
     steps = rates.answer.value
     reloaded = rates.reload_s(tokens) + steps * rates.dense_row_s(tokens)
-    compressed = rates.compression_s(tokens) + steps * rates.sparse_row_s
+    compressed = rates.compression_s(tokens) + steps * sparse_row_cost(rates, sparse_running + 1)
     return TO_HOST if reloaded <= compressed else COMPRESSED_SPARSE_CHEAPER
 
 
-def decode_pays(tokens: int, remaining_steps: list[int], rates: Rates) -> bool:
+def decode_pays(tokens: int, remaining_steps: list[int], rates: Rates, sparse_running: int) -> bool:
     """Whether compressing a dense document of `tokens` tokens that decode rows read (each with
-    its remaining decode steps) saves more than it costs."""
-    saved = sum(remaining_steps) * (rates.dense_row_s(tokens) - rates.sparse_row_s)
-    return saved > rates.compression_s(tokens)
+    its remaining decode steps) saves more than it costs. sparse_running: rows decoding sparse
+    now, beside which these would."""
+    per_row = rates.dense_row_s(tokens) - sparse_row_cost(rates, sparse_running + len(remaining_steps))
+    return sum(remaining_steps) * per_row > rates.compression_s(tokens)
 
 
 def remaining_steps(req, rates: Rates) -> int:
