@@ -51,6 +51,21 @@ GRAPH_TOKENS = (16, 32, 64, 128, 192, 256)
 GRAPH_REQUESTS = (1, 2, 4, 8, 16)  # suffixes in one graph step
 
 
+# a tile's chunk columns are padded to a multiple of this (with the null slot): Triton specializes
+# integer arguments on their divisibility by 16, so each document's chunk count would otherwise be
+# a kernel variant of its own
+CHUNK_COLUMNS = 16
+
+
+def tile_width(queries: int) -> int:
+    """The width an eager round's tiles are padded to: GRAPH_TOKENS[0] or TILE, the two widths the
+    server's warmup and graphs compile the tile kernels for. A round of any other width compiled
+    its own variants in a user's step: on the H100 a chat's turns over 32K documents (suffixes of
+    about 320 tokens, so last tiles of every width) compiled 22 kernel variants and its suffix
+    steps took 559 ms each."""
+    return GRAPH_TOKENS[0] if queries <= GRAPH_TOKENS[0] else TILE
+
+
 def compile_tokens(tokens: int) -> int:
     """The tokens per suffix standing for every count whose step launches the same compiled
     kernels: one 16-query block (GRAPH_TOKENS[0]), or whole 32-query blocks and 64-query tiles
@@ -137,7 +152,7 @@ class SuffixPrefill:
             members = [i for i in sparse if n_q[i] > k * TILE]
             counts = [min(TILE, n_q[i] - k * TILE) for i in members]
             rounds.append(self._round(reqs, members, [offsets[i] + k * TILE for i in members], counts,
-                                      max(counts), False))
+                                      tile_width(max(counts)), False))
         for i, r in enumerate(reqs):
             if r.exact:
                 rounds.append(self._round(reqs, [i], [offsets[i]], [n_q[i]], n_q[i], True))
@@ -152,6 +167,7 @@ class SuffixPrefill:
         q_valid = torch.arange(width) < torch.tensor(counts)[:, None]
         slots, outliers, budgets = selection_tables([reqs[i].layout for i in members], decoder.cfg,
                                                     decoder.pool.null_slot, decoder.pool.num_kv_heads, dev)
+        slots = torch.nn.functional.pad(slots, (0, -slots.shape[1] % CHUNK_COLUMNS), value=decoder.pool.null_slot)
         flat = torch.arange(q_index.numel()).view_as(q_index)
         take = (to_device(flat[q_valid], dev), to_device(q_index[q_valid], dev))  # here: no device sync
         return SuffixRound(to_device(torch.where(q_valid, q_index, q_index[:, :1]), dev), to_device(q_valid, dev), take,
