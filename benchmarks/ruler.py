@@ -20,6 +20,7 @@ document is shorter than the default 4096, unless given); any ShadowKV setting i
     python benchmarks/ruler.py --tasks niah_single_1 lookalike --lengths 4096 --samples 2 --out /tmp/ruler.json
     python benchmarks/ruler.py --paths hit --shadowkv-rank 192      # one path under another setting
     python benchmarks/ruler.py --table benchmarks/results/ruler_cpu.json   # the table of a result
+    python benchmarks/ruler.py --merge a.json b.json --out all.json  # runs of the same settings, one file
 
 Writes JSON (every answer, its path and score; per task and length the summaries) after every
 task, so a long run keeps what it has done; prints a table.
@@ -108,6 +109,27 @@ def print_table(result: dict) -> None:
     print(f"(RULER's score, percent; agreement: greedy tokens equal at equal positions) {result['seconds']} s")
 
 
+def merge_results(paths: list[str], out: str) -> dict:
+    """One result from runs that split the tasks between them: their settings must agree."""
+    results = []
+    for path in paths:
+        with open(path) as f:
+            results.append(json.load(f))
+    same = ("model", "device", "dtype", "engine_overrides", "shadowkv_config", "paths", "seed")
+    for path, other in zip(paths[1:], results[1:]):
+        differ = [k for k in same if other.get(k) != results[0].get(k)]
+        if differ:
+            raise SystemExit(f"{path} differs from {paths[0]} in {', '.join(differ)}: not one run's parts")
+    order = {(t, n): i for n_i, n in enumerate(sorted({b["length"] for r in results for b in r["tasks"]}))
+             for i, t in enumerate(TASKS, start=100 * n_i)}
+    blocks = sorted((b for r in results for b in r["tasks"]), key=lambda b: order[b["task"], b["length"]])
+    merged = {**results[0], "seconds": max(r["seconds"] for r in results), "tasks": blocks,
+              "merged_from": len(results)}
+    with open(out, "w") as f:
+        json.dump(merged, f, indent=1)
+    return merged
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(ap)
@@ -120,10 +142,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default="benchmarks/results/ruler.json")
     ap.add_argument("--table", metavar="JSON", help="print the table of an earlier result and exit")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="write the tasks of several results (the same "
+                    "model, device, dtype and settings: runs split across processes) to --out and exit")
     args = ap.parse_args()
     if args.table:
         with open(args.table) as f:
             print_table(json.load(f))
+        return
+    if args.merge:
+        print_table(merge_results(args.merge, args.out))
         return
     # a 4K sample's document is under the default shadowkv_min_context (4096): compress it anyway
     overrides = {"shadowkv_min_context": MIN_CONTEXT, **engine_overrides(args)}

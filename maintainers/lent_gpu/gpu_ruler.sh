@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# benchmarks/ruler.py on the lent GPU (the embedded model, torch attention backend, ShadowKV defaults
+# with compression forced): one dtype per 10-minute call, every task at the given lengths, split
+# over 4 processes per length (a quarter of the tasks each) that share the GPU, each pinning a
+# small share of host memory for its compressed values.
+# The embedded GGUF travels in two halves (gpu_defaults.sh split, here):
+#   call 1:  mkdir -p /tmp/gguf && cp .gguf-part1/* /tmp/gguf/      carry [".gguf-part1"]
+#   call 2:  bash maintainers/lent_gpu/gpu_ruler.sh DTYPE [LENGTH...]   carry [".gguf-part2", ".whl-srv"]
+#            (DTYPE float32 or bfloat16; lengths default 4096 8192)
+# -> $OUT/ruler_gpu_fp32.json or ruler_gpu_bf16.json (the parts merged: a task cut off by the time
+# limit is missing) and ruler_parts.tar.gz (every part and log: a call returns at most 8 files).
+# 2026-11-27 on an H200, 16 processes (both dtypes at once) finished 1-2 tasks each in 560 s: about
+# 4-6 minutes a task at 4K with four processes per length and dtype beside each other.
+set -u
+cd "$(dirname "$0")/../.." || exit 1  # the repository root
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/srv .whl-srv/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/srv:.
+model=/tmp/smol.gguf
+[ -f "$model" ] || cat /tmp/gguf/a .gguf-part2/b > "$model" || { echo "no GGUF halves (call 1 first)"; exit 1; }
+groups=("niah_single_1 niah_single_2 lookalike" "niah_single_3 niah_multikey_1 vt"
+        "niah_multikey_2 niah_multikey_3 fwe" "niah_multivalue niah_multiquery cwe")
+dtype=${1:?"DTYPE: float32 or bfloat16"}
+lengths=("${@:2}")
+[ ${#lengths[@]} -eq 0 ] && lengths=(4096 8192)
+parts=/tmp/ruler_parts
+rm -rf "$parts" && mkdir -p "$parts"
+for length in "${lengths[@]}"; do
+  for i in "${!groups[@]}"; do
+    # shellcheck disable=SC2086
+    timeout 560 python3 benchmarks/ruler.py --model-path "$model" --attention-backend torch --dtype "$dtype" \
+      --lengths "$length" --tasks ${groups[$i]} --shadowkv-host-mem-fraction 0.02 \
+      --out "$parts/part_${length}_$i.json" > "$parts/part_${length}_$i.log" 2>&1 &
+  done
+done
+wait
+short=$([ "$dtype" = float32 ] && echo fp32 || echo bf16)
+python3 benchmarks/ruler.py --merge "$parts"/part_*.json --out "$OUT/ruler_gpu_$short.json"
+tar -czf "$OUT/ruler_parts.tar.gz" -C "$parts" .
+grep -h "Error" "$parts"/part_*.log | sort | uniq -c | head
