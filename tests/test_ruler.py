@@ -3,6 +3,7 @@ the values its answer must hold, deterministically; RULER's scorer gives partial
 short sample a question over its cached compressed document answers as it does cold."""
 
 import collections
+import json
 import re
 
 import pytest
@@ -94,3 +95,27 @@ def test_a_lookalike_question_on_its_cached_compressed_memo_answers_as_it_does_c
         engine.shutdown()
     same = agreement(hit, cold)
     assert same["first_token"] == len(prompts) and same["token_agreement"] >= 0.95, same
+
+
+def test_results_of_one_run_split_across_processes_merge_in_task_order(tmp_path):
+    """`ruler.py --merge`: the parts' tasks in one file, lengths then RULER's task order; parts run
+    with other settings are refused (they are not one run)."""
+    from benchmarks.ruler import merge_results
+
+    def part(name, tasks, seconds, **settings):
+        result = {"model": "m", "device": "cuda", "dtype": "float32", "engine_overrides": {}, "shadowkv_config": {},
+                  "paths": ["full", "cold", "hit"], "seed": 0, "seconds": seconds,
+                  "tasks": [{"task": t, "length": n, "summary": {}} for t, n in tasks], **settings}
+        path = tmp_path / name
+        path.write_text(json.dumps(result))
+        return str(path)
+
+    a = part("a.json", [("lookalike", 8192), ("vt", 4096)], 30.0)
+    b = part("b.json", [("niah_single_1", 4096), ("niah_single_1", 8192)], 50.0)
+    merged = merge_results([a, b], str(tmp_path / "all.json"))
+    assert [(t["task"], t["length"]) for t in merged["tasks"]] == [
+        ("niah_single_1", 4096), ("vt", 4096), ("niah_single_1", 8192), ("lookalike", 8192)]
+    assert merged["seconds"] == 50.0 and merged["merged_from"] == 2
+    other = part("c.json", [("cwe", 4096)], 10.0, dtype="bfloat16")
+    with pytest.raises(SystemExit, match="dtype"):
+        merge_results([a, other], str(tmp_path / "bad.json"))
