@@ -120,9 +120,7 @@ def merge_results(paths: list[str], out: str) -> dict:
         differ = [k for k in same if other.get(k) != results[0].get(k)]
         if differ:
             raise SystemExit(f"{path} differs from {paths[0]} in {', '.join(differ)}: not one run's parts")
-    order = {(t, n): i for n_i, n in enumerate(sorted({b["length"] for r in results for b in r["tasks"]}))
-             for i, t in enumerate(TASKS, start=100 * n_i)}
-    blocks = sorted((b for r in results for b in r["tasks"]), key=lambda b: order[b["task"], b["length"]])
+    blocks = sorted((b for r in results for b in r["tasks"]), key=lambda b: (b["length"], TASKS.index(b["task"])))
     merged = {**results[0], "seconds": max(r["seconds"] for r in results), "tasks": blocks,
               "merged_from": len(results)}
     with open(out, "w") as f:

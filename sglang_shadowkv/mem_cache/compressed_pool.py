@@ -205,10 +205,14 @@ class ShadowKVPool:
         return {"segments": list(self._free_segments), "host_slots": list(self._free_host)}
 
     # ---- segments ------------------------------------------------------------------------------
+    def parked_segments(self) -> list[Segment]:
+        """The live segments parked in the host tier."""
+        return [seg for seg in self.live.values() if seg.parked]
+
     @property
     def parked_chunks(self) -> int:
         """Host value slots that parked segments hold (dropping them frees these)."""
-        return sum(seg.num_chunks for seg in self.live.values() if seg.parked)
+        return sum(seg.num_chunks for seg in self.parked_segments())
 
     def can_alloc(self, num_chunks: int, num_outliers: int, reclaimable_chunks: int = 0) -> bool:
         """Whether a segment fits: its host value slots (counting reclaimable_chunks more), an id,
@@ -462,7 +466,7 @@ class ShadowKVPool:
         on_gpu = [b for b, seg in zip(live, self.live.values()) if not seg.parked]
         return {"host_pool_bytes": sum(t.numel() * t.element_size() for t in self.host_v), "segments": len(live),
                 "segment_gpu_bytes": sum(b["gpu_compressed_bytes"] for b in on_gpu),
-                "parked_segment_pages": sum(len(seg.host_pages) for seg in self.live.values() if seg.parked),
+                "parked_segment_pages": sum(len(seg.host_pages) for seg in self.parked_segments()),
                 "segment_host_bytes": sum(b["host_bytes"] for b in live),
                 "segment_pages": sum(len(seg.pages) for seg in self.live.values()),
                 "gpu_value_pages": sum(len(seg.value_pages) for seg in self.live.values()),

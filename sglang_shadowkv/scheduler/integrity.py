@@ -60,7 +60,7 @@ def check_pools(cache: Pools, running: list["Req"]) -> None:
     if cache.compressed is not None:
         _check_compressed(errors, cache, tree_entries, owned, running)
     if cache.host is not None:
-        parked = [] if cache.compressed is None else [s for s in cache.compressed.store.live.values() if s.parked]
+        parked = [] if cache.compressed is None else cache.compressed.store.parked_segments()
         _check_host(errors, cache.host, tree_entries, [p for seg in parked for p in seg.host_pages])
     if errors:
         raise RuntimeError("pool accounting is broken: " + "; ".join(errors))

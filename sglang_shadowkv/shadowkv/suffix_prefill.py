@@ -58,12 +58,13 @@ CHUNK_COLUMNS = 16
 
 
 def tile_width(queries: int) -> int:
-    """The width an eager round's tiles are padded to: GRAPH_TOKENS[0] or TILE, the two widths the
-    server's warmup and graphs compile the tile kernels for. A round of any other width compiled
+    """The width an eager round's tiles are padded to: its compile class within one tile
+    (GRAPH_TOKENS[0] or TILE), the two widths the server's warmup and graphs compile the tile
+    kernels for. A round of any other width compiled
     its own variants in a user's step: on the H100 a chat's turns over 32K documents (suffixes of
     about 320 tokens, so last tiles of every width) compiled 22 kernel variants and its suffix
     steps took 559 ms each."""
-    return GRAPH_TOKENS[0] if queries <= GRAPH_TOKENS[0] else TILE
+    return min(TILE, compile_tokens(queries))
 
 
 def compile_tokens(tokens: int) -> int:
