@@ -28,9 +28,10 @@ ShadowKV runs `--shadowkv-compress-policy eager`, so the document is compressed 
 (at the default policy, `tier`, it would stay dense and be served as full attention serves it:
 that path is full attention's). With `--profile`, torch.profiler then runs around another cold request
 and 16 decoding questions (in both modes: `cold_profile_difference` lists the ops whose device time
-differs most between them), and ShadowKV's hit, 16 hits at once and cold request beside decodes (not
-the timed ones); the top ops by device and by host time go into the JSON: where the time goes; and
-`host_syncs` counts, for ShadowKV's four, the places where the engine waited for the device.
+differs most between them), and ShadowKV's hit, 16 hits at once, cold request and next turn beside
+decodes (not the timed ones); the top ops by device and by host time go into the JSON: where the
+time goes; and `host_syncs` counts, for ShadowKV's five, the places where the engine waited for the
+device.
 Each mode runs in its own process (one GPU's memory each), then the two are compared.
 
     python benchmarks/cold_and_hit.py --model-path random:llama-3.1-8b --tokenizer-path DIR --profile
@@ -56,6 +57,7 @@ import warnings
 QUESTION_TOKENS = 64
 CONCURRENT_QUESTIONS = 16
 BESIDE_DECODES = 8  # questions on the cached document decoding while a cold one arrives
+TURN_TOKENS = 320  # a chat's next turn: a 256-token answer and a 64-token question
 HIT_REPEATS = 3  # hits timed after the first (their median)
 DISTINCT_DOCS = 8  # decode_docs' default: questions on this many different cached documents, one each
 MAX_DISTINCT_CONTEXT = 32768  # ... at contexts up to this (full attention's pool holds them dense there)
@@ -105,13 +107,13 @@ def _warm_up(engine, tokens: int, vocab: int) -> None:
     engine.flush_cache()
 
 
-def _cold_beside_decodes(engine, cold_prompt: list[int], decoding_prompts: list[list[int]],
-                         decode_tokens: int = 256) -> dict:
-    """A cold prompt's time to first token while the decoding prompts decode (up to decode_tokens
-    each: a decode advances one token per step, the cold prompt's chunks included, so a few
-    hundred outlast its prefill, and their reservations leave the pool room for it): they are
-    admitted first and have their first tokens before it arrives; they are aborted once it has
-    its own. Returns the seconds and the step clock over them (by label)."""
+def _first_token_beside_decodes(engine, prompt: list[int], decoding_prompts: list[list[int]],
+                                decode_tokens: int = 256) -> dict:
+    """A prompt's time to first token while the decoding prompts decode (up to decode_tokens
+    each: a decode advances one token per step, the prompt's chunks included, so a few hundred
+    outlast a cold prefill, and their reservations leave the pool room for it): they are admitted
+    first and have their first tokens before it arrives; they are aborted once it has its own.
+    Returns the seconds and the step clock over them (by label)."""
     from sglang_shadowkv.sampling_params import SamplingParams
     from sglang_shadowkv.scheduler.counters import clock_since
 
@@ -121,10 +123,10 @@ def _cold_beside_decodes(engine, cold_prompt: list[int], decoding_prompts: list[
     while not all(r.first_token_time for r in decoding):
         sched.step()
     before = sched.step_clock.as_dict()
-    cold = sched.add_request("beside-cold", cold_prompt, SamplingParams(max_new_tokens=1))
-    while cold.first_token_time is None:
+    late = sched.add_request("beside-late", prompt, SamplingParams(max_new_tokens=1))
+    while late.first_token_time is None:
         sched.step()
-    seconds = cold.first_token_time - cold.created
+    seconds = late.first_token_time - late.created
     clock = clock_since(before, sched.step_clock.as_dict())
     for r in decoding:
         sched.abort(r.rid)
@@ -233,10 +235,15 @@ def run_mode(args) -> dict:
             beside_prompts = [doc + q for q in batches[0][:BESIDE_DECODES]]
 
             def beside(tag: int):  # each time a document nobody sent before
-                return _cold_beside_decodes(engine, _tokens(rng, len(doc), vocab) + questions[tag], beside_prompts)
+                return _first_token_beside_decodes(engine, _tokens(rng, len(doc), vocab) + questions[tag],
+                                                   beside_prompts)
+
+            def turn_beside():  # each time a turn nobody sent before
+                return _first_token_beside_decodes(engine, doc + _tokens(rng, TURN_TOKENS, vocab), beside_prompts)
 
             _decode_steps(engine, beside_prompts, tokens=8)  # captures the graphs of the decodes beside
             cold_beside = beside(0)
+            turn = turn_beside()
             _decode_steps(engine, [doc + q for q in batches[0]], tokens=8)  # and of 16 decoding
             decode = _decode_steps(engine, [doc + q for q in batches[1]])
             docs_decode = _distinct_docs_decode(engine, rng, len(doc), vocab, args.distinct_docs, args.profile) \
@@ -246,6 +253,7 @@ def run_mode(args) -> dict:
             row = {"context": context, "cold_s": cold, "hit_s": hit, "hit_x16_s": hit_x16,
                    "first_hit_s": first_hit, "first_hit_x16_s": first_hit_x16,
                    "cold_beside_decodes_s": cold_beside["seconds"], "cold_beside_clock": cold_beside["clock"],
+                   "turn_beside_decodes_s": turn["seconds"], "turn_beside_clock": turn["clock"],
                    "decode_x16_step_ms": decode["step_ms"], "decode_x16_steps": decode["steps"],
                    "decode_docs_step_ms": docs_decode["step_ms"], "decode_docs_steps": docs_decode["steps"],
                    **({"decode_docs_profile": docs_decode["profile"]} if "profile" in docs_decode else {}),
@@ -263,16 +271,19 @@ def run_mode(args) -> dict:
                     "hit": _profiled(engine, lambda: _timed(engine, [doc + questions[2]])),
                     "hit_x16": _profiled(engine, lambda: _timed(engine, [doc + q for q in batches[1]])),
                     "cold_beside": _profiled(engine, lambda: beside(1)),
+                    "turn_beside": _profiled(engine, turn_beside, ops=40),
                     "host_syncs": {
                         "hit": _host_syncs(engine, lambda: _timed(engine, [doc + questions[3]])),
                         "hit_x16": _host_syncs(engine, lambda: _timed(engine, [doc + q for q in batches[0]])),
-                        "cold_beside": _host_syncs(engine, lambda: beside(2))}})
+                        "cold_beside": _host_syncs(engine, lambda: beside(2)),
+                        "turn_beside": _host_syncs(engine, turn_beside)}})
                 engine.flush_cache()
                 row["profile"]["host_syncs"]["cold"] = _host_syncs(engine, lambda: _timed(engine, [doc + questions[0]]))
             rows.append(row)
             print(f"[{args.mode}] {context:>7}: cold {cold:.3f} s, hit {hit * 1e3:.1f} ms (first {first_hit * 1e3:.0f}), "
                   f"16 hits {hit_x16 * 1e3:.1f} ms (first {first_hit_x16 * 1e3:.0f}), "
                   f"cold beside {BESIDE_DECODES} decodes {cold_beside['seconds']:.3f} s, "
+                  f"next turn beside them {turn['seconds'] * 1e3:.0f} ms, "
                   f"decode step of 16 {decode['step_ms'] or 0:.1f} ms, "
                   f"of {args.distinct_docs} documents {docs_decode['step_ms'] or 0:.1f} ms", flush=True)
         info = engine.get_server_info()
@@ -305,7 +316,8 @@ def compare(modes: dict) -> list[dict]:
     for f, s in _row_pairs(modes):
         out.append({"context": f["context"], **{k.rsplit("_", 1)[0]: s[k] / f[k] if s[k] and f[k] else None
                                                 for k in ("cold_s", "hit_s", "hit_x16_s", "first_hit_s",
-                                                          "cold_beside_decodes_s", "decode_x16_step_ms",
+                                                          "cold_beside_decodes_s", "turn_beside_decodes_s",
+                                                          "decode_x16_step_ms",
                                                           "decode_docs_step_ms")}})
     return out
 
@@ -375,11 +387,12 @@ def main(argv: list[str] | None = None) -> dict:
             report["cold_profile_difference"] = cold_profile_difference(modes)
         with open(out, "w") as f:  # after each mode: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
-    print(f"{'context':>8} | ShadowKV / full: cold | hit | 16 hits | cold beside decodes | decode step of 16 | "
-          f"of {args.distinct_docs} documents")
+    print(f"{'context':>8} | ShadowKV / full: cold | hit | 16 hits | cold beside decodes | next turn beside them | "
+          f"decode step of 16 | of {args.distinct_docs} documents")
     for r in report["shadowkv_over_full"]:
         print(" | ".join([f"{r['context']:>8}"] + [f"{r[k]:.2f}" if r[k] else "-" for k in
-                                                   ("cold", "hit", "hit_x16", "cold_beside_decodes", "decode_x16_step",
+                                                   ("cold", "hit", "hit_x16", "cold_beside_decodes", "turn_beside_decodes",
+                                                    "decode_x16_step",
                                                     "decode_docs_step")]))
     return report
 

@@ -1,8 +1,9 @@
-"""benchmarks/cold_and_hit.py's cold document beside decodes: the decodes run before and while the
-cold prompt is served, the step clock over it names the step that compressed it beside them, and
-the decodes end (aborted) with nothing left held."""
+"""benchmarks/cold_and_hit.py's prompts beside decodes: the decodes run before and while a cold
+document or a chat's next turn is served, the step clock over it names the step that compressed it
+or prefilled the turn's suffix over the compressed document beside them, and the decodes end
+(aborted) with nothing left held."""
 
-from benchmarks.cold_and_hit import _cold_beside_decodes, _decode_steps
+from benchmarks.cold_and_hit import _decode_steps, _first_token_beside_decodes
 from sglang_shadowkv import Engine
 
 TINY = dict(attention="shadowkv", shadowkv_compress_policy="eager", shadowkv_min_context=256,
@@ -15,7 +16,7 @@ def test_a_cold_document_beside_decodes_is_timed_and_its_compressing_step_labell
     cold = [3 + (j * 11) % 500 for j in range(600)]
     with Engine(model_path=tiny_model_path, max_total_tokens=4000, **TINY) as engine:
         engine.generate(input_ids=doc + [5] * 8, sampling_params={"max_new_tokens": 1})  # cached, compressed
-        out = _cold_beside_decodes(engine, cold + [6] * 8, [doc + [7 + i] * 8 for i in range(3)])
+        out = _first_token_beside_decodes(engine, cold + [6] * 8, [doc + [7 + i] * 8 for i in range(3)])
         sched = engine.scheduler
         assert out["seconds"] > 0
         labels = set(out["clock"])
@@ -23,6 +24,18 @@ def test_a_cold_document_beside_decodes_is_timed_and_its_compressing_step_labell
         assert sum(shape["decode_rows"] for shape in out["clock"].values()) >= 3
         assert not sched.has_work and not sched.running
         sched.cache.check_integrity([])  # the aborted decodes left no page or row behind
+
+
+def test_a_next_turn_beside_decodes_prefills_its_suffix_over_the_compressed_document(tiny_model_path):
+    doc = [2 + (j * 7) % 500 for j in range(600)]
+    turn = [4 + (j * 13) % 500 for j in range(150)]  # several tiles
+    with Engine(model_path=tiny_model_path, max_total_tokens=4000, **TINY) as engine:
+        engine.generate(input_ids=doc + [5] * 8, sampling_params={"max_new_tokens": 1})  # cached, compressed
+        out = _first_token_beside_decodes(engine, doc + turn, [doc + [7 + i] * 8 for i in range(3)])
+        assert out["clock"]["suffix+decode"]["prompt_tokens"] >= len(turn)
+        assert "prefill+decode+compress" not in out["clock"]  # the document was not prefilled again
+        assert not engine.scheduler.has_work
+        engine.scheduler.cache.check_integrity([])
 
 
 def test_decode_steps_reads_the_decode_only_steps_of_its_prompts(tiny_model_path):

@@ -339,6 +339,37 @@ def test_suffixes_over_a_compressed_prefix_replay_a_graph_and_give_the_eager_tok
         assert_shadow_pools_clean(eng)
 
 
+def test_a_turn_longer_than_a_suffix_graph_replays_it_in_whole_tile_chunks_with_the_same_answer(shadow_pair,
+                                                                                               monkeypatch):
+    """A chat's next turn over a compressed document (300 new tokens: more than the longest suffix
+    graph) is prefilled in chunks of at most SUFFIX_CHUNK_TOKENS, each replaying a suffix graph,
+    and answers as one eager step over the whole turn does (the chunks are whole tiles, so every
+    tile selects its chunks from the same queries)."""
+    from sglang_shadowkv.scheduler import prefill
+
+    plain, graphed = shadow_pair
+    doc, questions = document_and_questions(plain.tokenizer, 1200, 44)
+    turn = long_prompt(plain.tokenizer, 300, 45)
+    assert len(turn) > prefill.SUFFIX_CHUNK_TOKENS
+
+    def answers(eng):
+        eng.flush_cache()
+        return greedy_answers(eng.scheduler, doc, [questions[0], turn], 6)
+
+    want = answers(plain)
+    graphs = graphed.scheduler.runner.graphs
+    before = graphs.replays_by_variant.copy()
+    got = answers(graphed)
+    suffix_steps = sum(n - before.get(v, 0) for v, n in graphs.replays_by_variant.items() if v.startswith("('suffix'"))
+    assert got == want
+    assert suffix_steps == 3  # the question's, then the turn's 256 + 44 tokens: every one from a graph
+    monkeypatch.setattr(prefill, "SUFFIX_CHUNK_TOKENS", 1 << 20)  # the whole turn in one eager step
+    assert answers(plain) == want
+    for eng in (plain, graphed):
+        assert_pool_clean(eng)
+        assert_shadow_pools_clean(eng)
+
+
 def test_a_step_mixing_prompts_with_compressed_decodes_runs_in_parts(shadow_pair):
     """Decodes over a compressed document, a question over it and a dense prompt in one step: the
     decodes and the question replay their graphs and only the dense prompt runs eagerly (three

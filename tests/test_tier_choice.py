@@ -109,6 +109,18 @@ def test_under_pressure_few_sparse_rows_send_a_short_answered_document_to_the_ho
     assert leave_gpu(16384, r, host_tier=True, sparse_running=12) == COMPRESSED_SPARSE_CHEAPER
 
 
+def test_a_move_that_would_push_documents_out_of_a_full_host_tier_pays_their_prefill():
+    """The rates the H100 measured on many_16k with this charge missing (16K documents, 32-token
+    answers): the host tier had filled, 56 documents went there anyway and pushed 267K tokens out,
+    which were prefilled again (0.86x of full attention). Into free room the host stays cheaper;
+    displacing a document of the same size costs its prefill (0.47 s), and compression wins."""
+    r = rates(pcie=53e9, prefill=34_977.0, answer=32.0, per_token=5.28e-8, sparse_row=5.48e-4, sparse_step=9.1e-3)
+    assert leave_gpu(16384, r, host_tier=True, sparse_running=0) == TO_HOST
+    assert leave_gpu(16384, r, host_tier=True, sparse_running=0, displaced=0) == TO_HOST
+    assert leave_gpu(16384, r, host_tier=True, sparse_running=0, displaced=16384) == COMPRESSED_SPARSE_CHEAPER
+    assert r.prefill_s(16384) == pytest.approx(16384 / 34_977.0)
+
+
 def test_remaining_steps_are_an_answer_at_most_what_max_new_tokens_leaves():
     r = rates(answer=100)
     req = Req("r", [1] * 50, SamplingParams(max_new_tokens=300))
@@ -237,6 +249,19 @@ def test_a_host_tier_too_small_for_the_document_leaves_it_compressed(tiny_model_
         four_documents(engine)
         got = reasons(engine)
         assert got[COMPRESSED_NO_ROOM] >= 1 and got[TO_HOST] == 0 and got["demotions"] == got[COMPRESSED_NO_ROOM]
+
+
+def test_a_full_host_tier_takes_no_document_that_would_push_another_out(tiny_model_path, monkeypatch):
+    with Engine(model_path=tiny_model_path, max_total_tokens=2400, enable_hierarchical_cache=True,
+                hicache_ratio=0.3, **TIER) as engine:  # 720 host tokens: one 600-token document
+        pin(engine, monkeypatch, pcie=1e15, answer=4)  # into free room a reload is cheaper
+        cold = [engine.generate(input_ids=document(i) + question(i), sampling_params=GREEDY)["output_ids"]
+                for i in range(6)]  # through a pool that holds three dense
+        got = reasons(engine)
+        assert got[TO_HOST] == 1 and got[COMPRESSED_SPARSE_CHEAPER] >= 1
+        assert engine.get_server_info()["stats"]["host_evicted_tokens"] == 0  # nothing pushed out
+        hit = engine.generate(input_ids=document(0) + question(0), sampling_params=GREEDY)  # the one on the host
+        assert hit["output_ids"] == cold[0] and hit["meta_info"]["cached_tokens"] >= DOC_TOKENS - 8
 
 
 @pytest.fixture(scope="module")

@@ -94,6 +94,11 @@ class HostKVPool:
         """The free host pages (a copy; for accounting checks)."""
         return list(self._free)
 
+    def shortfall(self, gpu_pages: list[int]) -> int:
+        """Host pages that storing these GPU pages lacks beyond the free ones (a page backed up
+        already needs none): what making room for them must push out."""
+        return sum(p not in self.backups for p in gpu_pages) - len(self._free)
+
     def alloc(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None

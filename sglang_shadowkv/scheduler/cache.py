@@ -79,7 +79,7 @@ class CacheManager:
     def _offload(self, pages: list[int]) -> list[HostPage] | None:
         """The tree's offload hook: move a node's dense pages to the host tier, making room there
         by dropping its least recently used documents; None when it cannot hold them."""
-        missing = self._host_shortfall(pages)
+        missing = self.host.shortfall(pages)
         if missing > 0:
             self.tree.evict_host(missing)
         entries = self.host.store(pages)
@@ -87,15 +87,10 @@ class CacheManager:
             self._release_entries(pages)  # (their backups, if any, became the host entries)
         return entries
 
-    def _host_shortfall(self, pages: list[int]) -> int:
-        """Host pages that storing these dense pages lacks beyond the free ones (those backed up
-        already need none)."""
-        return sum(p not in self.host.backups for p in pages) - self.host.num_free
-
     def move_to_host(self, node: TreeNode) -> bool:
         """The demoter's move of an unlocked dense node to the host tier (False, nothing moved,
         when the host tier cannot take it even by dropping its least recently used documents)."""
-        if self._host_shortfall(node.pages) > self.tree.evictable_host:
+        if self.host.shortfall(node.pages) > self.tree.evictable_host:
             return False
         entries = self._offload(node.pages)
         if entries is None:

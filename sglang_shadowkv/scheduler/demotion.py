@@ -147,7 +147,9 @@ class Demoter:
             node, span = found
             if rates is None:
                 rates = self.tier.rates.agreed(self.tier.runner.tp)
-            reason = leave_gpu(len(node.key), rates, self.tier.to_host is not None, sparse_rows)
+            host = self.tier.runner.host_pool
+            displaced = 0 if host is None else max(0, host.shortfall(node.pages)) * self.page_size
+            reason = leave_gpu(len(node.key), rates, self.tier.to_host is not None, sparse_rows, displaced)
             if reason == TO_HOST and self.tier.to_host(node):
                 self._count(TO_HOST)
             elif not self._start(node, span, COMPRESSED_NO_ROOM if reason == TO_HOST else reason):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 
 from sglang_shadowkv.model_executor.forward_batch import StepItem
+from sglang_shadowkv.shadowkv.suffix_prefill import GRAPH_TOKENS
 
 from .cache import CacheManager
 from .request import Req
@@ -25,6 +26,13 @@ SHARED_PREFILL_TOKENS = 256  # a shared prefix at least this long (and most of a
 RANKED_WAITING = 128  # hrrn ranks this many waiting requests (in arrival order) a step; the rest wait their turn
 # admission stops while the admitted prompts still need this many steps' chunk budgets: see PrefillManager.admit
 ADMITTED_STEPS_AHEAD = 2
+# a step's chunk of a suffix over a compressed document (a question, a chat's next turn) is at most
+# the longest suffix a CUDA graph holds, so that it replays one: a longer chunk ran eagerly, its
+# rounds of tiles launching ~200 kernels a layer each, host-bound. On the H200 a 320-token turn
+# (a 256-token answer and the next question) over a 32K document beside 8 decodes took 404 ms in one
+# eager step, and a chat of such turns on the H100 spent 666 ms a step in them. Its tiles start at
+# the same tokens either way (the cap is whole tiles), so its answer is the same.
+SUFFIX_CHUNK_TOKENS = GRAPH_TOKENS[-1]
 
 
 def shares_prefill(req: Req, prefilling: Req) -> bool:
@@ -140,7 +148,8 @@ class PrefillManager:
 
     def schedule(self) -> tuple[list[StepItem], list[Req]]:
         """The next chunk of each admitted prompt within the chunk budget: in admission order
-        (fcfs), or by response ratio over the prompt tokens each still needs (hrrn)."""
+        (fcfs), or by response ratio over the prompt tokens each still needs (hrrn). A sparse
+        suffix over a compressed document takes at most SUFFIX_CHUNK_TOKENS a step."""
         items, reqs, budget = [], [], self.chunk_budget
         order = self.prefilling
         if self.policy == "hrrn":
@@ -148,7 +157,10 @@ class PrefillManager:
         for req in order:
             if budget <= 0:
                 break
-            tokens = req.input_ids[req.num_computed:req.num_computed + budget]
+            take = budget
+            if req.over_compressed_prefix and not req.shadowkv.exact_prefill:
+                take = min(budget, SUFFIX_CHUNK_TOKENS)
+            tokens = req.input_ids[req.num_computed:req.num_computed + take]
             budget -= len(tokens)
             self.computed_tokens += len(tokens)
             item = StepItem(req.pool_row, tokens, req.num_computed, req.shadowkv, len(req.input_ids),
