@@ -62,8 +62,7 @@ def tile_width(queries: int) -> int:
     (GRAPH_TOKENS[0] or TILE), the two widths the server's warmup and graphs compile the tile
     kernels for. A round of any other width compiled
     its own variants in a user's step: on the H100 a chat's turns over 32K documents (suffixes of
-    about 320 tokens, so last tiles of every width) compiled 22 kernel variants and its suffix
-    steps took 559 ms each."""
+    about 320 tokens, so last tiles of every width) compiled 22 kernel variants while serving."""
     return min(TILE, compile_tokens(queries))
 
 
