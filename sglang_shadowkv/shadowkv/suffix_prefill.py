@@ -60,9 +60,9 @@ CHUNK_COLUMNS = 16
 def tile_width(queries: int) -> int:
     """The width an eager round's tiles are padded to: its compile class within one tile
     (GRAPH_TOKENS[0] or TILE), the two widths the server's warmup and graphs compile the tile
-    kernels for. A round of any other width compiled
-    its own variants in a user's step: on the H100 a chat's turns over 32K documents (suffixes of
-    about 320 tokens, so last tiles of every width) compiled 22 kernel variants while serving."""
+    kernels for. A round of any other width compiled its own variants in a user's step: on the
+    H100 a chat's turns over 32K documents (suffixes of about 320 tokens, so last tiles of every
+    width) compiled 22 kernel variants while serving."""
     return min(TILE, compile_tokens(queries))
 
 
