@@ -85,6 +85,25 @@ def test_a_full_host_tier_drops_its_least_recently_used_documents(tiny_model_pat
         assert engine.get_server_info()["stats"]["reprefilled_tokens"] >= 296
 
 
+def test_backups_of_documents_still_on_the_gpu_give_way_before_documents_held_only_on_the_host(
+        tiny_model_path):
+    """Five documents where the GPU pool and the host tier each hold about three: write_through
+    backs up each document the tree takes, and making room for a document leaving the GPU drops
+    backups (their pages are still on the GPU) before any document held only on the host. So all
+    five stay cached and the second round prefills nothing again; with the backups kept first,
+    616 tokens were pushed out and prefilled again."""
+    with Engine(model_path=tiny_model_path, hicache_ratio=1.0, **SMALL) as engine:
+        docs = [document(d) + QUESTION for d in range(5)]
+        cold = [engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] for ids in docs]
+        hits = [engine.generate(input_ids=ids, sampling_params=GREEDY) for ids in docs]
+        info = engine.get_server_info()
+        assert [h["output_ids"] for h in hits] == cold
+        assert all(h["meta_info"]["cached_tokens"] == 296 for h in hits)
+        assert info["stats"]["host_evicted_tokens"] == 0 and info["stats"]["reprefilled_tokens"] == 0
+        mem = info["memory"]
+        assert 0 < mem["host_backup_pages"] < mem["tree_pages"]  # some backups did give way
+
+
 def test_shadowkv_mode_takes_the_host_tier_too(tiny_model_path):
     with Engine(model_path=tiny_model_path, attention="shadowkv", shadowkv_min_context=512,
                 shadowkv_host_tokens=8192, **{**SMALL, "max_total_tokens": 2048}) as engine:

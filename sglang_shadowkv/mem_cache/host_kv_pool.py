@@ -95,9 +95,28 @@ class HostKVPool:
         return list(self._free)
 
     def shortfall(self, gpu_pages: list[int]) -> int:
-        """Host pages that storing these GPU pages lacks beyond the free ones (a page backed up
-        already needs none): what making room for them must push out."""
-        return sum(p not in self.backups for p in gpu_pages) - len(self._free)
+        """Host pages that storing these GPU pages lacks beyond the free ones and the backups (a
+        page's own backup becomes its host copy; another page's can be dropped at no loss, since
+        that page is still on the GPU): what making room for them must push out."""
+        return len(gpu_pages) - len(self._free) - len(self.backups)
+
+    def make_room(self, gpu_pages: list[int]) -> int:
+        """Drop backups of other GPU pages, newest first, until the free host pages can take these
+        pages; returns how many are still missing (what the tree must push out). A backup only
+        spares its page a copy when it leaves the GPU, and the oldest are the ones whose pages
+        leave first, while dropping a host-only document costs its prefill: in ShadowKV mode on
+        the H100 (many_16k) backups of documents still on the GPU took the host tier's room and
+        128K tokens of documents held only there were pushed out."""
+        keep = set(gpu_pages)
+        missing = sum(p not in self.backups for p in gpu_pages) - len(self._free)
+        dropped = []
+        for page in reversed(self.backups):
+            if len(dropped) >= missing:
+                break
+            if page not in keep:
+                dropped.append(page)
+        self.free([self.backups.pop(p) for p in dropped])
+        return max(0, missing - len(dropped))
 
     def alloc(self, n: int) -> list[int] | None:
         if n > len(self._free):

@@ -76,13 +76,21 @@ class CacheManager:
         self.pool.free(entries)
         return len(entries)
 
-    def _offload(self, pages: list[int]) -> list[HostPage] | None:
-        """The tree's offload hook: move a node's dense pages to the host tier, making room there
-        by dropping its least recently used documents; None when it cannot hold them."""
-        missing = self.host.shortfall(pages)
+    def _host_room(self, pages: list[int]) -> bool:
+        """Make room in the host tier for these GPU pages: backups of other pages go first (no
+        loss), then its least recently used documents. False, with nothing dropped, when even that
+        cannot make enough."""
+        if self.host.shortfall(pages) > self.tree.evictable_host:
+            return False
+        missing = self.host.make_room(pages)
         if missing > 0:
             self.tree.evict_host(missing)
-        entries = self.host.store(pages)
+        return True
+
+    def _offload(self, pages: list[int]) -> list[HostPage] | None:
+        """The tree's offload hook: move a node's dense pages to the host tier (`_host_room`);
+        None when it cannot hold them."""
+        entries = self.host.store(pages) if self._host_room(pages) else None
         if entries is not None:
             self._release_entries(pages)  # (their backups, if any, became the host entries)
         return entries
@@ -90,8 +98,6 @@ class CacheManager:
     def move_to_host(self, node: TreeNode) -> bool:
         """The demoter's move of an unlocked dense node to the host tier (False, nothing moved,
         when the host tier cannot take it even by dropping its least recently used documents)."""
-        if self.host.shortfall(node.pages) > self.tree.evictable_host:
-            return False
         entries = self._offload(node.pages)
         if entries is None:
             return False
@@ -100,7 +106,7 @@ class CacheManager:
 
     def _park(self, node: TreeNode) -> int | None:
         """The tree's park hook, for a compressed node it would otherwise drop: its segments' pages
-        move whole to the host tier (made room in by dropping its least recently used documents),
+        move whole to the host tier (`_host_room`),
         and every node holding their chunks holds ParkedChunkRefs instead. Returns the GPU pages
         freed; None (nothing moved) when some request reads a segment or the host tier cannot
         take them."""
@@ -109,12 +115,8 @@ class CacheManager:
         segments = _segments(node.pages, ChunkRef)
         if not all(seg.droppable for seg in segments):
             return None
-        need = sum(len(seg.pages) for seg in segments)
-        if need - self.host.num_free > self.tree.evictable_host:
-            return None
-        if need > self.host.num_free:
-            self.tree.evict_host(need - self.host.num_free)
-        if need > self.host.num_free:
+        pages = [p for seg in segments for p in seg.pages]  # (no dense tree page: none has a backup)
+        if not self._host_room(pages) or len(pages) > self.host.num_free:
             return None
         copies = {id(seg): self.host.store(seg.pages) for seg in segments}
         self._swap_chunk_refs(segments, lambda e: ParkedChunkRef(e.segment, e.index), ChunkRef)
