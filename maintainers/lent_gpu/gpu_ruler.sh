@@ -6,7 +6,8 @@
 # The embedded GGUF travels in two halves (gpu_defaults.sh split, here):
 #   call 1:  mkdir -p /tmp/gguf && cp .gguf-part1/* /tmp/gguf/      carry [".gguf-part1"]
 #   call 2:  bash maintainers/lent_gpu/gpu_ruler.sh DTYPE [LENGTH...]   carry [".gguf-part2", ".whl-srv"]
-#            (DTYPE float32 or bfloat16; lengths default 4096 8192)
+#            (DTYPE float32 or bfloat16; lengths default 4096 8192; PART_TIMEOUT=S: seconds a part may
+#            run, default 560, for a call with less device time left)
 # -> $OUT/ruler_gpu_fp32.json or ruler_gpu_bf16.json (the parts merged: a task cut off by the time
 # limit is missing) and ruler_parts.tar.gz (every part and log: a call returns at most 8 files).
 # 2026-11-27 on an H200, 16 processes (both dtypes at once) finished 1-2 tasks each in 560 s: about
@@ -28,7 +29,7 @@ rm -rf "$parts" && mkdir -p "$parts"
 for length in "${lengths[@]}"; do
   for i in "${!groups[@]}"; do
     # shellcheck disable=SC2086
-    timeout 560 python3 benchmarks/ruler.py --model-path "$model" --attention-backend torch --dtype "$dtype" \
+    timeout "${PART_TIMEOUT:-560}" python3 benchmarks/ruler.py --model-path "$model" --attention-backend torch --dtype "$dtype" \
       --lengths "$length" --tasks ${groups[$i]} --shadowkv-host-mem-fraction 0.02 \
       --out "$parts/part_${length}_$i.json" > "$parts/part_${length}_$i.log" 2>&1 &
   done
