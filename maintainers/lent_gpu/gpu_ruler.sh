@@ -17,8 +17,8 @@ cd "$(dirname "$0")/../.." || exit 1  # the repository root
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/srv .whl-srv/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/srv:.
-model=/tmp/smol.gguf
-[ -f "$model" ] || cat /tmp/gguf/a .gguf-part2/b > "$model" || { echo "no GGUF halves (call 1 first)"; exit 1; }
+. maintainers/lent_gpu/embedded_gguf.sh
+model=$(embedded_gguf) || exit 1
 groups=("niah_single_1 niah_single_2 lookalike" "niah_single_3 niah_multikey_1 vt"
         "niah_multikey_2 niah_multikey_3 fwe" "niah_multivalue niah_multiquery cwe")
 dtype=${1:?"DTYPE: float32 or bfloat16"}
