@@ -20,7 +20,7 @@ import zmq
 from sglang_shadowkv.testing.live_server import LiveServer, wait_until
 
 from sglang_shadowkv.engine import Engine, EngineShutDown
-from sglang_shadowkv.entrypoints.launcher import EXIT_PROCESS_DIED, EXIT_STOPPED
+from sglang_shadowkv.entrypoints.launcher import EXIT_PROCESS_DIED, EXIT_STOPPED, Stop, _Uvicorn
 from sglang_shadowkv.managers.io_struct import ControlReq
 
 LONG_RUN = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}  # a minute or more on a CPU
@@ -91,6 +91,22 @@ def test_stop_signal_ends_in_flight_requests_and_every_process(fleet, sig):
     assert server.proc.wait(timeout=10) == EXIT_STOPPED
     assert_group_gone(server)
     assert f"stopped by {sig.name}; all server processes stopped" in server.output()
+
+
+def test_one_sigint_stops_gracefully_and_a_second_one_forces_the_exit():
+    """uvicorn reads a SIGINT that finds its should_exit already set as a second Ctrl-C and exits
+    at once, cutting open streams: the server's stop (which sets should_exit too) must come after
+    uvicorn's own handling. Set first, on a loaded machine a SIGINT cut the stream of
+    test_stop_signal_ends_in_flight_requests_and_every_process before its abort and [DONE]."""
+    import uvicorn
+
+    stop = Stop()
+    server = _Uvicorn(uvicorn.Config(app=None), stop)
+    stop.server = server
+    server.handle_exit(signal.SIGINT, None)
+    assert server.should_exit and not server.force_exit and stop.reason == "stopped by SIGINT"
+    server.handle_exit(signal.SIGINT, None)
+    assert server.force_exit
 
 
 def test_sigkill_of_the_launcher_takes_its_children_down(fleet):

@@ -86,8 +86,10 @@ class _Uvicorn(uvicorn.Server):
         self.stop = stop
 
     def handle_exit(self, sig: int, frame) -> None:
-        self.stop.on_signal(sig, frame)
+        # uvicorn first: it reads a SIGINT that finds should_exit already set as a second Ctrl-C
+        # and exits at once, cutting open streams before their abort reaches them
         super().handle_exit(sig, frame)
+        self.stop.on_signal(sig, frame)
 
 
 def served_model_name(args: ServerArgs, model_path: str) -> str:
