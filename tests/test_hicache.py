@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from sglang_shadowkv import Engine
 from sglang_shadowkv.diagnostics.metrics import ServerMetrics
 from sglang_shadowkv.kernels.copy_pages import copy_pages, copy_pages_reference
+from sglang_shadowkv.mem_cache.host_kv_pool import CopyFences
 from cache_ops import OPS, run_ops
 from test_metrics import samples
 
@@ -32,6 +33,30 @@ def test_copy_pages_matches_its_reference(pages, src_n, dst_n, numel):
     assert torch.equal(got, want) and torch.equal(got[dst_pages], src[src_pages])
     with pytest.raises(ValueError, match="source pages"):
         copy_pages(src, src_pages, torch.zeros(dst_n, numel), dst_pages[:-1])
+
+
+class _Copy:
+    """An event of a queued copy (CopyFences only asks whether it is done)."""
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_copy_fences_name_the_unfinished_copies_of_a_page_once_each():
+    """A copy waits only for what touched its pages last and is still running: a store's read of
+    pages a load wrote, a load's read of a host page a store still writes."""
+    fences, store, load, later = CopyFences(), _Copy(), _Copy(), _Copy()
+    fences.mark([1, 2, 3], store)
+    fences.mark([3, 4], load)  # page 3's last copy is now the load
+    assert fences.pending([1, 2]) == [store]  # one entry for the copy, not one per page
+    assert set(map(id, fences.pending([2, 3, 9]))) == {id(store), id(load)}
+    store.done = True
+    assert fences.pending([1, 2, 3]) == [load] and fences.pending([1, 2, 9]) == []
+    fences.mark([4], later)
+    load.done = True
+    assert fences.pending([3, 4]) == [later]
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])

@@ -3,12 +3,19 @@ host memory instead of being dropped, and a prefix match on them loads them back
 
 The pool holds whole pages, laid out like the GPU pool's ([pages, page_size x Hkv x D] per layer,
 K and V), so a page moves in one block (kernels/copy_pages.py). A radix-tree entry of a page held
-here is a HostPage. Copies run in order on one side stream, each after the work the compute stream queued before it:
-- a store (GPU -> host) reads pages whose K/V the compute stream wrote, and the compute stream
-  waits for it before it reuses the pages;
-- a load (host -> GPU) runs layer by layer; each layer's pages are ready at its event, and the GPU
-  pool's `before_layer` hook makes the forward pass wait for that layer only (the first layers
-  compute while the last ones still cross PCIe).
+here is a HostPage. Copies run on two side streams, each after the work the compute stream
+queued before it: stores and backups (GPU -> host) on one, loads (host -> GPU) on the other, so
+that neither waits for the other's queue (PCIe carries both directions at once):
+- a store reads pages whose K/V the compute stream wrote, and the compute stream waits for that
+  copy (only) before it reuses the pages;
+- a load runs layer by layer; each layer's pages are ready at its event, and the GPU pool's
+  `before_layer` hook makes the forward pass wait for that layer only (the first layers compute
+  while the last ones still cross PCIe);
+- a copy that touches a page (host or GPU) that a copy on the other stream still reads or writes
+  waits for that copy first (`CopyFences`).
+With one stream for both, a store queued after the step's loads made the compute stream wait for
+all of them before the step began (in ShadowKV mode documents move to the host after the step's
+admissions), and a step's loads queued behind the backups of the step before.
 Write policies (SGLang's names): `write_back` copies a page when it is evicted from the GPU;
 `write_through` copies each page when the radix tree takes it (a backup, kept while the page stays
 in the tree), so an eviction moves no data, and a loaded page keeps its host copy as its backup.
@@ -66,6 +73,25 @@ class HostTierCounters:
         self.__dict__.update(snapshot)
 
 
+class CopyFences:
+    """The last queued copy that touched each page of one pool (the event it ends at): a copy on
+    the other stream that touches one of those pages again, or the compute stream before it
+    reuses them, waits for that event. Events in one stream complete in order, so the last one
+    stands for every earlier copy of the page on its stream."""
+
+    def __init__(self):
+        self._last: dict[int, object] = {}
+
+    def mark(self, pages: list[int], event) -> None:
+        for p in pages:
+            self._last[p] = event
+
+    def pending(self, pages: list[int]) -> list:
+        """The distinct events of copies of these pages not done yet."""
+        events = {id(ev): ev for p in pages if (ev := self._last.get(p)) is not None}
+        return [ev for ev in events.values() if not ev.query()]
+
+
 class HostKVPool:
     def __init__(self, gpu_pool: PagedKVPool, num_pages: int, write_policy: str = "write_through"):
         if num_pages < 1:
@@ -81,7 +107,9 @@ class HostKVPool:
         self._free = list(range(num_pages - 1, -1, -1))
         self.backups: dict[int, int] = {}  # write_through: GPU page -> its host copy
         self.counters = HostTierCounters()
-        self._stream = torch.cuda.Stream(gpu_pool.device) if self.on_gpu else None
+        self._store_stream = torch.cuda.Stream(gpu_pool.device) if self.on_gpu else None
+        self._load_stream = torch.cuda.Stream(gpu_pool.device) if self.on_gpu else None
+        self._host_fences, self._gpu_fences = CopyFences(), CopyFences()
         self._layer_ready: list | None = None  # the last load's event per layer
         gpu_pool.before_layer = self.wait_layer
 
@@ -143,19 +171,23 @@ class HostKVPool:
         todo = [p for p in gpu_pages if p not in self.backups][:len(self._free)]
         if todo:
             host = self.alloc(len(todo))
-            self._copy_to_host(todo, host, wait_after=False)
+            self._copy_to_host(todo, host)
             self.backups.update(zip(todo, host))
 
     def store(self, gpu_pages: list[int]) -> list[HostPage] | None:
         """The host entries of GPU pages leaving the GPU (None: too few free host pages). Pages
-        with a backup move no data; the compute stream waits for the others' copy before it
-        reuses their pages."""
+        with a backup move no data; the compute stream waits for the copies that still read any
+        of these pages (theirs, and a backup's not run yet) before it reuses them."""
         todo = [p for p in gpu_pages if p not in self.backups]
         if len(todo) > len(self._free):
             return None
         host = dict(zip(todo, self.alloc(len(todo)) or []))
         if todo:
-            self._copy_to_host(todo, [host[p] for p in todo], wait_after=True)
+            self._copy_to_host(todo, [host[p] for p in todo])
+        if self.on_gpu:
+            compute = torch.cuda.current_stream(self.gpu_pool.device)
+            for event in self._gpu_fences.pending(gpu_pages):
+                compute.wait_event(event)
         for p in gpu_pages:
             if p in self.backups:
                 host[p] = self.backups.pop(p)
@@ -171,28 +203,32 @@ class HostKVPool:
         if self.write_policy == "write_through" and keep_copies:
             self.backups.update(zip(gpu_pages, host))
         else:
-            self.free(host)  # reused only by copies queued after this one, on the same stream
+            self.free(host)  # a store that reuses one waits for this load first (CopyFences)
         self.counters.host_loaded_bytes += len(host) * self.bytes_per_page
         self.counters.host_load_ms += round(1000 * (time.perf_counter() - started))
 
-    def _copy_to_host(self, gpu_pages: list[int], host: list[int], wait_after: bool) -> None:
+    def _copy_to_host(self, gpu_pages: list[int], host: list[int]) -> None:
         self._copy(gpu_pages, host, to_host=True)
         self.counters.host_stored_bytes += len(host) * self.bytes_per_page
-        if wait_after and self.on_gpu:
-            torch.cuda.current_stream(self.gpu_pool.device).wait_stream(self._stream)
 
     def _copy(self, src_pages: list[int], dst_pages: list[int], to_host: bool) -> None:
         """Every layer's K and V pages from one pool to the other; loads record a ready event per
-        layer. A copy waits for the compute stream first: a store reads pages it wrote, a load
-        writes pages it may have used before they were freed. The page lists are made on the
-        compute stream and read on the copy's: they are kept from reuse until the copy has run
-        (without that, the compute stream's next allocation took their memory while the copy still
-        read it: an illegal address on the H100, 64K documents, gone under CUDA_LAUNCH_BLOCKING)."""
+        layer. A copy waits for the compute stream first (a store reads pages it wrote, a load
+        writes pages it may have used before they were freed), and for the other stream's copies
+        of the same pages (a load reads a host page a store may still write; a store may write a
+        host page a load still reads, freed by it or as a dropped backup). The page lists are made
+        on the compute stream and read on the copy's: they are kept from reuse until the copy has
+        run (without that, the compute stream's next allocation took their memory while the copy
+        still read it: an illegal address on the H100, 64K documents, gone under
+        CUDA_LAUNCH_BLOCKING)."""
         gpu = self.gpu_pool
         pages = [to_device(torch.tensor(p, dtype=torch.int64), gpu.device) for p in (src_pages, dst_pages)]
-        stream = self._stream
+        stream = self._store_stream if to_host else self._load_stream
+        gpu_pages, host_pages = (src_pages, dst_pages) if to_host else (dst_pages, src_pages)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(gpu.device))
+            for event in self._gpu_fences.pending(gpu_pages) + self._host_fences.pending(host_pages):
+                stream.wait_event(event)
             for p in pages:
                 p.record_stream(stream)
         events = []
@@ -205,14 +241,20 @@ class HostKVPool:
                 if stream is not None and not to_host:
                     events.append(torch.cuda.Event())
                     events[-1].record(stream)
+        if stream is not None:
+            done = events[-1] if events else torch.cuda.Event()
+            if not events:
+                done.record(stream)
+            self._gpu_fences.mark(gpu_pages, done)
+            self._host_fences.mark(host_pages, done)
         if events:
             self._layer_ready = events
 
     def wait_loads(self) -> None:
         """The compute stream waits for every load queued so far, all layers (what a CUDA graph
         reads cannot wait layer by layer: a parked compressed segment brought back)."""
-        if self._stream is not None:
-            torch.cuda.current_stream(self.gpu_pool.device).wait_stream(self._stream)
+        if self._load_stream is not None:
+            torch.cuda.current_stream(self.gpu_pool.device).wait_stream(self._load_stream)
 
     def wait_layer(self, layer: int) -> None:
         """The GPU pool's before_layer hook: the current stream waits for the last load's pages
