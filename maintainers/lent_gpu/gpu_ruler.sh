@@ -7,7 +7,8 @@
 #   call 1:  mkdir -p /tmp/gguf && cp .gguf-part1/* /tmp/gguf/      carry [".gguf-part1"]
 #   call 2:  bash maintainers/lent_gpu/gpu_ruler.sh DTYPE [LENGTH...]   carry [".gguf-part2", ".whl-srv"]
 #            (DTYPE float32 or bfloat16; lengths default 4096 8192; PART_TIMEOUT=S: seconds a part may
-#            run, default 560, for a call with less device time left)
+#            run, default 560, for a call with less device time left; TASK_GROUPS="a b;c": other task
+#            groups, one process each)
 # -> $OUT/ruler_gpu_fp32.json or ruler_gpu_bf16.json (the parts merged: a task cut off by the time
 # limit is missing) and ruler_parts.tar.gz (every part and log: a call returns at most 8 files).
 # 2026-11-27 on an H200, 16 processes (both dtypes at once) finished 1-2 tasks each in 560 s: about
@@ -21,6 +22,7 @@ export PYTHONPATH=/tmp/srv:.
 model=$(embedded_gguf) || exit 1
 groups=("niah_single_1 niah_single_2 lookalike" "niah_single_3 niah_multikey_1 vt"
         "niah_multikey_2 niah_multikey_3 fwe" "niah_multivalue niah_multiquery cwe")
+[ -n "${TASK_GROUPS:-}" ] && IFS=';' read -r -a groups <<< "$TASK_GROUPS"
 dtype=${1:?"DTYPE: float32 or bfloat16"}
 lengths=("${@:2}")
 [ ${#lengths[@]} -eq 0 ] && lengths=(4096 8192)
