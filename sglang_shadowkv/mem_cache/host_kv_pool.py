@@ -128,7 +128,7 @@ class HostKVPool:
         that page is still on the GPU): what making room for them must push out."""
         return len(gpu_pages) - len(self._free) - len(self.backups)
 
-    def make_room(self, gpu_pages: list[int]) -> int:
+    def drop_backups_for(self, gpu_pages: list[int]) -> int:
         """Drop backups of other GPU pages, newest first, until the free host pages can take these
         pages; returns how many are still missing (what the tree must push out). A backup only
         spares its page a copy when it leaves the GPU, and the oldest are the ones whose pages

@@ -82,7 +82,7 @@ class CacheManager:
         cannot make enough."""
         if self.host.shortfall(pages) > self.tree.evictable_host:
             return False
-        missing = self.host.make_room(pages)
+        missing = self.host.drop_backups_for(pages)
         if missing > 0:
             self.tree.evict_host(missing)
         return True
