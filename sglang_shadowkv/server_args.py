@@ -34,7 +34,9 @@ class ServerArgs:
     attention: str = _field("full", "full: dense KV cache; shadowkv: dense while the GPU holds it, compressed "
                             "(ShadowKV) when it does not; streamingllm, snapkv: KV-eviction baselines (accuracy "
                             "comparisons, torch backend)")
-    attention_backend: str | None = _field(None, "torch (reference), triton, flashinfer (default: best available)")
+    attention_backend: str | None = _field(None, "torch (reference), triton, flashinfer (default: torch on a CPU; on a GPU "
+                                                 "flashinfer where installed and it takes the model's head dim, 64, 128, 256 or 512; "
+                                                 "else triton)")
     device: str | None = _field(None, "cuda or cpu (default: cuda if available)")
     tp_size: int = _field(1, "tensor parallelism: serve the model across this many GPUs of one host, one process "
                           "each (rank r on GPU r), its heads and MLP columns split between them; with ShadowKV each "

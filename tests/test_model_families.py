@@ -158,3 +158,25 @@ def test_random_presets_build_on_the_meta_device_with_their_published_parameter_
         with torch.device("meta"):
             model = LlamaForCausalLM(preset_config(name, vocab, [0]))
         assert sum(p.numel() for p in model.parameters()) == total, name
+
+
+def test_a_head_dim_flashinfer_lacks_is_served_by_triton_and_refused_by_name(monkeypatch):
+    """Phi-3's head dim (96) and the tiny test models' (16) are outside FlashInfer's dispatch: on a
+    GPU the default backend is then Triton, and asking for FlashInfer is an error naming the
+    argument at startup (it failed inside the first step: "Unsupported head_dim: 16")."""
+    import sys
+    import types
+
+    from sglang_shadowkv.layers.attention import create_attention_backend
+    from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
+    from sglang_shadowkv.model_executor.model_runner import default_backend
+
+    gpu = types.SimpleNamespace(type="cuda")
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    assert [default_backend(gpu, d) for d in (64, 128, 96, 16)] == ["flashinfer", "flashinfer", "triton", "triton"]
+    assert default_backend(torch.device("cpu"), 128) == "torch"
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed
+    assert default_backend(gpu, 128) == "triton"
+    pool = PagedKVPool(4, 8, num_layers=1, num_kv_heads=1, head_dim=96, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="attention_backend flashinfer.*this model's is 96"):
+        create_attention_backend("flashinfer", pool, 4, 96)

@@ -10,6 +10,7 @@ import torch
 
 from sglang_shadowkv.distributed.parallel_state import get_tp
 from sglang_shadowkv.layers.attention import ForwardBatch, create_attention_backend
+from sglang_shadowkv.layers.attention.flashinfer_backend import HEAD_DIMS as FLASHINFER_HEAD_DIMS
 from sglang_shadowkv.layers.attention.eviction_backend import (
     EVICTION_POLICIES, EvictionAttentionBackend, make_eviction_policy)
 from sglang_shadowkv.layers.attention.shadowkv_backend import ShadowKVAttentionBackend
@@ -49,14 +50,16 @@ def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
     return getattr(torch, args.dtype)
 
 
-def default_backend(device: torch.device) -> str:
+def default_backend(device: torch.device, head_dim: int) -> str:
+    """torch on a CPU; on a GPU FlashInfer where it is installed and takes the model's head dim,
+    else the Triton kernels (any head dim)."""
     if device.type != "cuda":
         return "torch"
     try:
         import flashinfer  # noqa: F401
-        return "flashinfer"
     except ImportError:
         return "triton"
+    return "flashinfer" if head_dim in FLASHINFER_HEAD_DIMS else "triton"
 
 
 def default_chunked_prefill_size(device: torch.device) -> int:
@@ -104,7 +107,7 @@ class ModelRunner:
             self.backend = EvictionAttentionBackend(self.pool, cfg.num_heads, cfg.head_dim,
                                                     make_eviction_policy(args))
         else:
-            self.backend_name = args.attention_backend or default_backend(self.device)
+            self.backend_name = args.attention_backend or default_backend(self.device, cfg.head_dim)
             self.backend = create_attention_backend(self.backend_name, self.pool, cfg.num_heads, cfg.head_dim)
         if self.shadowkv_config is not None:
             self.backend = ShadowKVAttentionBackend(self.backend, self.compressed_pool, self.shadowkv_config,

@@ -11,10 +11,17 @@ import torch
 from .base import AttentionBackend, ForwardBatch
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
+# the head dims FlashInfer's kernels are dispatched for (its DISPATCH_HEAD_DIM, 0.7.2): another one
+# failed inside a step ("Unsupported head_dim: 16" from its state merge), not at startup
+HEAD_DIMS = (64, 128, 256, 512)
 
 
 class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, pool, num_heads, head_dim):
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"attention_backend flashinfer: FlashInfer's kernels take head dims "
+                             f"{', '.join(map(str, HEAD_DIMS))}; this model's is {head_dim} "
+                             f"(--attention-backend triton serves it)")
         super().__init__(pool, num_heads, head_dim)
         import flashinfer  # deferred: only the GPU extra installs it
 
