@@ -15,6 +15,7 @@ from test_metrics import samples
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0}
 QUESTION = [5, 6, 7, 8]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the same tests run on the lent GPU
 SMALL = dict(max_total_tokens=1024, chunked_prefill_size=512, check_integrity=True, enable_hierarchical_cache=True)
 
 
@@ -25,14 +26,14 @@ def document(i: int, tokens: int = 300) -> list[int]:
 @pytest.mark.parametrize("pages,src_n,dst_n,numel", [(5, 9, 7, 24), (40, 50, 60, 1100)])
 def test_copy_pages_matches_its_reference(pages, src_n, dst_n, numel):
     g = torch.Generator().manual_seed(pages)
-    src = torch.randn(src_n, numel, generator=g)
-    src_pages = torch.randperm(src_n, generator=g)[:pages]
-    dst_pages = torch.randperm(dst_n, generator=g)[:pages]
-    want = copy_pages_reference(src, src_pages, torch.zeros(dst_n, numel), dst_pages)
-    got = copy_pages(src, src_pages, torch.zeros(dst_n, numel), dst_pages)
+    src = torch.randn(src_n, numel, generator=g).to(DEVICE)
+    src_pages = torch.randperm(src_n, generator=g)[:pages].to(DEVICE)
+    dst_pages = torch.randperm(dst_n, generator=g)[:pages].to(DEVICE)
+    want = copy_pages_reference(src, src_pages, torch.zeros(dst_n, numel, device=DEVICE), dst_pages)
+    got = copy_pages(src, src_pages, torch.zeros(dst_n, numel, device=DEVICE), dst_pages)
     assert torch.equal(got, want) and torch.equal(got[dst_pages], src[src_pages])
     with pytest.raises(ValueError, match="source pages"):
-        copy_pages(src, src_pages, torch.zeros(dst_n, numel), dst_pages[:-1])
+        copy_pages(src, src_pages, torch.zeros(dst_n, numel, device=DEVICE), dst_pages[:-1])
 
 
 class _Copy:
