@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 from benchmarks.hit_fidelity import agreement, cache_document, generate_checked, question_prefix  # noqa: E402
 from sglang_shadowkv import Engine  # noqa: E402
@@ -74,7 +76,8 @@ def run_task(engines: dict, task: str, length: int, args) -> dict:
         cases.append({"sample": sample, "ids": ids, "doc": question_prefix(any_engine, ids, sample.question)})
     answers = {}
     for path in args.paths:
-        answers[path] = run_path(engines["full" if path == "full" else "shadowkv"], path, cases, params)
+        prompts = tqdm(cases, desc=f"{task} {length} {path}", unit="prompt", leave=False)  # 1-3 minutes a prompt at 8K on a CPU
+        answers[path] = run_path(engines["full" if path == "full" else "shadowkv"], path, prompts, params)
         print(f"{task} {length} {path}: " + " ".join(f"{a['score']:.2f}" for a in answers[path]), flush=True)
     rows = [{"index": i, "prompt_tokens": len(c["ids"]), "doc_tokens": len(c["doc"]),
              "outputs": list(c["sample"].outputs), **{p: answers[p][i] for p in args.paths}}
