@@ -242,8 +242,10 @@ class HostKVPool:
                     events.append(torch.cuda.Event())
                     events[-1].record(stream)
         if stream is not None:
-            done = events[-1] if events else torch.cuda.Event()
-            if not events:
+            if events:  # a load: its last layer's event
+                done = events[-1]
+            else:
+                done = torch.cuda.Event()
                 done.record(stream)
             self._gpu_fences.mark(gpu_pages, done)
             self._host_fences.mark(host_pages, done)
