@@ -1,9 +1,9 @@
 """Sparse suffix prefill against the restore path, on the same compressed document (issue 21).
 
 A question over a cached compressed document prefills only its suffix. By default the suffix
-attends the chunks its queries select (per tile of 64 queries, as decode does:
-`shadowkv_sparse_prefill_max`); the exact path attends every compressed chunk (streamed through the
-scratch, what a dense restore would compute: `--shadowkv-sparse-prefill-max 0`). Both engines
+attends every compressed chunk (what a dense restore would compute); with
+`--shadowkv-sparse-prefill-max N` it attends the chunks its queries select (per tile of 64 queries,
+as decode does). The sparse path here sets N = SPARSE_PREFILL_MAX. Both engines
 compress the memo of benchmarks/memo_retrieval.py once, then answer its questions greedily; this
 compares their tokens position by position, the first answer token on its own, and whether the
 document was compressed once and every question hit it.
@@ -23,7 +23,8 @@ from sglang_shadowkv import Engine
 from sglang_shadowkv.testing.engine_flags import add_engine_flags, engine_kwargs, engine_overrides, save_result
 from sglang_shadowkv.testing.prompts import memo_prompts
 
-PATHS = {"sparse": {}, "exact": {"shadowkv_sparse_prefill_max": 0}}
+SPARSE_PREFILL_MAX = 2048  # every question of the memo is shorter
+PATHS = {"sparse": {"shadowkv_sparse_prefill_max": SPARSE_PREFILL_MAX}, "exact": {"shadowkv_sparse_prefill_max": 0}}
 
 
 def answer_over_cached_document(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
@@ -59,7 +60,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/suffix_fidelity.json")
     args = ap.parse_args()
     if args.shadowkv_sparse_prefill_max is not None:
-        ap.error("--shadowkv-sparse-prefill-max is what this compares (default against 0); leave it unset")
+        ap.error("--shadowkv-sparse-prefill-max is what this compares (2048 against 0); leave it unset")
     overrides = engine_overrides(args)
     outs, counters, info = {}, {}, None
     for path, setting in PATHS.items():

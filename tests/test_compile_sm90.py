@@ -55,11 +55,13 @@ with compile_only() as compiled:
                                         torch.zeros(2, 1, entries + 1, dtype=torch.long), rows, 0, live)
         plan_chunk_cache_in_place(torch.full((2, hkv, entries), -1), rows, selected, live,
                                   torch.zeros(2, 2, dtype=torch.long))  # (counting hits, as decode steps do)
-        gather_values(values.host_v[0], values.host_slot, value_jobs, values.blocks_v[0], value_table, rows,
-                      values.value_scale[0], values.resident(0), live, programs=4)
-        rebuild_keys(store.a_lo[0], store.a_hi[0], *store.basis_memory(0), rotary.cos_cache, rotary.sin_cache,
-                     store.chunk_pos, store.chunk_basis, slots, store.blocks_k[0], table, rows, store.basis_rank[0],
-                     live)
+        for jobs in (value_jobs, value_jobs.int()):  # decode's int64, an exact suffix round's int32
+            gather_values(values.host_v[0], values.host_slot, jobs, values.blocks_v[0], value_table, rows,
+                          values.value_scale[0], values.resident(0), live, programs=4)
+        for jobs in (slots, slots.int()):
+            rebuild_keys(store.a_lo[0], store.a_hi[0], *store.basis_memory(0), rotary.cos_cache, rotary.sin_cache,
+                         store.chunk_pos, store.chunk_basis, jobs, store.blocks_k[0], table, rows,
+                         store.basis_rank[0], live)
         for queries in (1, 32) if live is None else (1,):  # a decode step, a suffix's tile (never padded)
             q = torch.randn(batch * queries, hkv * group, head_dim).bfloat16()
             for splits in (1, 3):

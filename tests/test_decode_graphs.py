@@ -183,8 +183,9 @@ def test_padding_entries_touch_only_the_reserved_page(dense_pair):
 def shadow_pair():
     from sglang_shadowkv import Engine
 
-    plain = Engine(**SHADOW_ENGINE, disable_overlap_schedule=True)
-    graphed = Engine(**SHADOW_ENGINE)
+    selecting = dict(SHADOW_ENGINE, shadowkv_sparse_prefill_max=2048)  # suffixes select: their graphs
+    plain = Engine(**selecting, disable_overlap_schedule=True)
+    graphed = Engine(**selecting)
     with_static_decode(graphed, 4)
     yield plain, graphed
     plain.shutdown()

@@ -302,6 +302,17 @@ def test_sparse_decode_attention(group, chunk_size, head_dim, queries, splits):
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
     torch.testing.assert_close(lse_got, lse_want, rtol=TOL, atol=TOL)
     assert lse_want.isfinite().all()
+    if splits == 3:  # the outliers read from memory of their own (an exact suffix round's pool, beside its workspace)
+        other = [torch.full_like(args[1], float("nan")) for _ in range(2)]
+        ids = outliers[outliers >= 0].long().to(DEVICE)
+        for mem, src in zip(other, args[1:3]):
+            mem[ids] = src[ids]
+        moved = [args[0], *[src.clone() for src in args[1:3]], *args[3:]]
+        for mem in moved[1:3]:
+            mem[ids] = float("nan")  # (no scratch entry shares an outlier's page)
+        for fn, extra in ((sparse_decode_attention_reference, {}), (sparse_decode_attention, {"splits": splits})):
+            got = fn(*moved, queries_per_request=queries, outlier_memory=tuple(other), **extra)
+            torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
     if group == 4:  # requests from live on (a CUDA graph's padding) attend nothing: zeros, lse -inf
         live = torch.tensor([1], dtype=torch.int32, device=DEVICE)
         gated = sparse_decode_attention_reference(*args, lse=lse_want, queries_per_request=queries, live=live)

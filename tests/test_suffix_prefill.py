@@ -1,6 +1,6 @@
-"""ShadowKV's sparse suffix prefill: questions over a cached compressed document attend it
-through their own chunk selection (shadowkv/suffix_prefill.py), alone, together in one step,
-aborted midway, and in the server's warmup. A file of its own so that the test workers share the
+"""ShadowKV's suffix prefill: questions over a cached compressed document attend every chunk of
+it (the default) or their own chunk selection (shadowkv/suffix_prefill.py), alone, together in
+one step, aborted midway, and in the server's warmup. A file of its own so that the test workers share the
 ShadowKV suites evenly."""
 
 import gc
@@ -8,6 +8,9 @@ import gc
 from tests.conftest import assert_pool_clean
 from tests.test_shadowkv import (SHADOW_ENGINE, assert_shadow_pools_clean, document_and_questions, greedy_answers,
                                 long_prompt, shadow_engine)  # noqa: F401 (a fixture)
+
+
+SELECTING = {"shadowkv_sparse_prefill_max": 2048}  # suffixes of up to 2048 tokens attend a chunk selection
 
 
 def suffix_scheduler(shadow_engine, **overrides):
@@ -21,13 +24,13 @@ def suffix_scheduler(shadow_engine, **overrides):
 
 
 def test_sparse_suffix_prefill_agrees_with_exact_attention_over_the_prefix(shadow_engine):
-    """Questions over a compressed document, prefilled sparsely (default) and exactly (every
-    chunk streamed through the scratch, shadowkv_sparse_prefill_max=0): mostly the same greedy
+    """Questions over a compressed document, prefilled sparsely (a chunk selection) and exactly
+    (every chunk rebuilt into a workspace, the default): mostly the same greedy
     answers, first tokens included, and the document prefilled and compressed once."""
     doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 31)
     questions = questions[:3] + [long_prompt(shadow_engine.tokenizer, 150, 32)]  # three tiles of queries
     exact = greedy_answers(suffix_scheduler(shadow_engine, shadowkv_sparse_prefill_max=0), doc, questions, 8)
-    sched = suffix_scheduler(shadow_engine)
+    sched = suffix_scheduler(shadow_engine, **SELECTING)
     pool = sched.runner.pool
     for buf in pool.k_buffers + pool.v_buffers:  # scratch rows take pages as they are: what was never
         buf.view(pool.num_pages, -1)[pool.free_ids()] = float("nan")  # written is never read
@@ -50,10 +53,9 @@ def test_suffixes_prefilled_together_answer_as_one_at_a_time(shadow_engine):
 
     doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 33)
     questions = questions[:2] + [long_prompt(shadow_engine.tokenizer, 150, 34)]
-    sched = shadow_engine.scheduler  # this module's settings; a second scheduler would double the memory
-    shadow_engine.flush_cache()
+    sched = suffix_scheduler(shadow_engine, **SELECTING)
     alone = greedy_answers(sched, doc, questions, 6)
-    shadow_engine.flush_cache()
+    sched.flush_cache()
     greedy_answers(sched, doc, questions[:1], 1)  # the document, compressed
     reqs = [sched.add_request(f"b{i}", doc + q, SamplingParams(max_new_tokens=6, temperature=0))
             for i, q in enumerate(questions)]
@@ -65,6 +67,60 @@ def test_suffixes_prefilled_together_answer_as_one_at_a_time(shadow_engine):
         sched.step()
     assert [r.output_ids for r in reqs] == alone
     assert scored.output_ids[0] == alone[0][0]
+    del sched
+    gc.collect()
+
+
+def test_exact_questions_together_share_one_rebuild_and_their_kernels_match_the_reference(shadow_engine,
+                                                                                          monkeypatch):
+    """Questions attending every chunk (shadowkv_sparse_prefill_max=0) sent together: one round, their
+    document rebuilt once for all three (not once each), each answering as it does alone. Its
+    Triton kernels (interpreted here) give the torch reference's attention output in every layer,
+    with the workspace cut into pieces of 64 chunk columns (the last one padded)."""
+    from sglang_shadowkv.sampling_params import SamplingParams
+    from sglang_shadowkv.shadowkv import suffix_prefill
+
+    doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 37)
+    sched = suffix_scheduler(shadow_engine, shadowkv_sparse_prefill_max=0)
+    alone = greedy_answers(sched, doc, questions[:3], 4)
+    sched.flush_cache()
+    greedy_answers(sched, doc, questions[:1], 1)  # the document, compressed
+    suffix = sched.runner.backend.suffix
+    plans, gaps, pieces = [], [], []
+    planned, attend, fetch = suffix_prefill.SuffixPrefill.plan, suffix_prefill.SuffixPrefill.attend, suffix.decoder.fetch
+
+    def both_paths(self, q, layer, plan, kv_pool):
+        """The reference's output, after the Triton kernels' on the same inputs."""
+        self.use_triton = self.decoder.use_triton = True
+        got = attend(self, q, layer, plan, kv_pool)
+        self.use_triton = self.decoder.use_triton = False
+        ref = attend(self, q, layer, plan, kv_pool)
+        gaps.append(float((got - ref).abs().max()))
+        return ref
+
+    monkeypatch.setattr(suffix_prefill.SuffixPrefill, "plan", lambda self, *a: plans.append(planned(self, *a))
+                        or plans[-1])
+    monkeypatch.setattr(suffix_prefill.SuffixPrefill, "attend", both_paths)
+    monkeypatch.setattr(suffix.decoder, "fetch", lambda jobs, *a, **k: pieces.append(jobs.shape) or fetch(jobs, *a, **k))
+    monkeypatch.setattr(suffix_prefill, "WORKSPACE_BYTES", 64 * 2 * 3 * 8 * 64 * 4 + 1)  # 64 columns of float32 chunks
+    reqs = [sched.add_request(f"x{i}", doc + q, SamplingParams(max_new_tokens=4, temperature=0))
+            for i, q in enumerate(questions[:3])]
+    sched.step()
+    monkeypatch.setattr(suffix_prefill.SuffixPrefill, "attend", attend)
+    monkeypatch.setattr(suffix.decoder, "fetch", fetch)
+    while sched.has_work:
+        sched.step()
+    assert [r.output_ids for r in reqs] == alone
+    (plan,) = plans
+    (rnd,) = plan.rounds
+    ws = rnd.workspace
+    assert sched.runner.backend.compile_suffix_variants() == []  # no suffix selects: nothing to compile for it
+    assert ws.slots.shape[0] == 1 and ws.docs.tolist() == [0, 0, 0] and ws.width == 64
+    layers = sched.runner.config.num_layers
+    assert len(gaps) == layers and max(gaps) < 1e-4
+    assert len(pieces) == 2 * layers * ws.slots.shape[1] // 64 > 2 * layers and {p[2] for p in pieces} == {64}
+    del sched
+    gc.collect()
 
 
 def test_warm_up_runs_a_compression_and_a_suffix_prefill_and_leaves_no_trace(shadow_engine):
@@ -108,14 +164,13 @@ def test_eager_rounds_are_padded_to_the_widths_the_server_compiles(shadow_engine
 
     doc, _ = document_and_questions(shadow_engine.tokenizer, 1200, 35)
     questions = [long_prompt(shadow_engine.tokenizer, n, 36 + n) for n in (5, 70, 150)]
-    sched = shadow_engine.scheduler
-    shadow_engine.flush_cache()
+    sched = suffix_scheduler(shadow_engine, **SELECTING)
     alone = greedy_answers(sched, doc, questions, 4)
     plans = []
     planned = suffix_prefill.SuffixPrefill.plan
     monkeypatch.setattr(suffix_prefill.SuffixPrefill, "plan", lambda self, *a: plans.append(planned(self, *a))
                         or plans[-1])
-    shadow_engine.flush_cache()
+    sched.flush_cache()
     greedy_answers(sched, doc, questions[:1], 1)  # the document, compressed
     reqs = [sched.add_request(f"w{i}", doc + q, SamplingParams(max_new_tokens=4, temperature=0))
             for i, q in enumerate(questions)]
@@ -127,3 +182,5 @@ def test_eager_rounds_are_padded_to_the_widths_the_server_compiles(shadow_engine
     assert widths and set(widths) <= {16, 64} and 16 in widths  # 5 queries, 70 % 64 and 150 % 64 pad to 16
     assert all(rnd.chunk_slots.shape[1] % 16 == 0 for rnd in rounds)
     assert sum(int(rnd.q_valid.sum()) for rnd in rounds) >= sum(len(q) for q in questions)  # every query, once
+    del sched
+    gc.collect()

@@ -79,10 +79,10 @@ def _gather_values_kernel(HOST, HOST_SLOT, JOBS, OUT, SCRATCH_PAGES, ROWS, SCALE
         b = i // (HEADS * ENTRIES)
         h = (i // ENTRIES) % HEADS
         e = i % ENTRIES
-        slot = tl.load(JOBS + b * stride_jb + h * stride_jh + e)
+        slot = tl.load(JOBS + b * stride_jb + h * stride_jh + e).to(tl.int64)  # (int32 or int64 jobs)
         todo = (slot >= 0) & (first + offs_j < NUM_JOBS)
         if tl.max(todo.to(tl.int32), 0) > 0:  # (a step of cache hits only moves nothing)
-            slot = tl.where(todo, slot, 0).to(tl.int64)
+            slot = tl.where(todo, slot, 0)
             at = tl.load(HOST_SLOT + slot, mask=todo, other=0).to(tl.int64) * stride_hs + h * stride_hh
             src = HOST + at[:, None] + offs[None, :]
             if RESIDENT:

@@ -32,7 +32,7 @@ def key_splits(programs: int, key_blocks: int, device: torch.device, least: int 
     if device.type != "cuda":
         return 1
     wanted = least if 2 * programs > sm_count(device) else triton.cdiv(2 * sm_count(device), programs)
-    return _power_of_two_at_most(min(MAX_SPLITS, wanted, key_blocks // MIN_BLOCKS_PER_SPLIT))
+    return power_of_two_at_most(min(MAX_SPLITS, wanted, key_blocks // MIN_BLOCKS_PER_SPLIT))
 
 
 DECODE_PROGRAMS_PER_SM = 4
@@ -45,11 +45,11 @@ def decode_key_splits(requests: int, kv_heads: int, device: torch.device) -> int
     of it; a split past a short row's end stores nothing but -inf."""
     if device.type != "cuda":
         return 1
-    return _power_of_two_at_most(min(MAX_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * sm_count(device),
+    return power_of_two_at_most(min(MAX_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * sm_count(device),
                                                              requests * kv_heads)))
 
 
-def _power_of_two_at_most(wanted: int) -> int:
+def power_of_two_at_most(wanted: int) -> int:
     """The largest power of two not above wanted (1 for wanted below 1)."""
     return 1 << (max(1, wanted).bit_length() - 1)
 

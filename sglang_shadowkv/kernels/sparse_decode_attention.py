@@ -6,7 +6,9 @@ Per request b and KV head h, the keys are:
   window    k_pool[window_indices[window_indptr[b]:window_indptr[b+1]], h]  (dense recent tokens)
 and the values are laid out the same way in blocks_v. blocks_k / blocks_v are the dense pool's K
 and V memory as [c, D] blocks (kernels/scratch_blocks.py): outlier chunks and the chunk-cache
-scratch (rebuilt/fetched chunks, a row of pages per request) are read alike. One softmax spans all
+scratch (rebuilt/fetched chunks, a row of pages per request) are read alike. `outlier_memory`
+(K, V blocks laid out alike) names other memory for the outliers: a suffix's every-chunk round
+reads its chunks from a workspace of its own and its outliers from the pool, in one pass. One softmax spans all
 three; each query head reads its KV head (GQA). One program per (request, KV head) serves all its
 query heads. With `lse` the log-sum-exp of each query head's scores is stored too (natural log;
 -inf and a zero output when nothing is attended), so partial attentions over disjoint key sets can
@@ -73,7 +75,7 @@ def chunks_per_key_block(chunk: int, launch: Launch) -> int:
 
 def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries,
                                       k_pool, v_pool, window_indptr, window_indices, sm_scale, lse=None,
-                                      queries_per_request=1, out_dtype=None, live=None):
+                                      queries_per_request=1, out_dtype=None, live=None, outlier_memory=None):
     """q [B·Q, Hq, D] -> [B·Q, Hq, D] of out_dtype (default q's; Q = queries_per_request: rows b·Q..
     of q attend request b's keys); float32 softmax over the gathered keys of each KV head; lse
     [B·Q, Hq] float32, if given, receives each query head's log-sum-exp. Requests from live on
@@ -86,8 +88,9 @@ def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scr
     nq = queries_per_request
     b_ = q.shape[0] // nq
     hkv = k_pool.shape[1]
-    blocks = torch.cat([outlier_blocks.long(), scratch_blocks(scratch_pages, scratch_rows, entries)], 2)
-    b_ok, b_ids = blocks >= 0, blocks.clamp(min=0)  # [B, Hkv, O + K]
+    out_k, out_v = outlier_memory or (blocks_k, blocks_v)
+    outliers, selected = outlier_blocks.long(), scratch_blocks(scratch_pages, scratch_rows, entries)
+    b_ok = torch.cat([outliers, selected], 2) >= 0  # [B, Hkv, O + K]
     lens = window_indptr[1:] - window_indptr[:-1]
     width = int(lens.max()) if b_ > 0 else 0
     w_pos = torch.arange(width, device=q.device)
@@ -95,18 +98,19 @@ def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scr
     w_ids = window_indices[(window_indptr[:-1, None] + w_pos).clamp(max=max(window_indices.numel() - 1, 0))
                            * w_ok].long()  # [B, W]; masked positions read a valid slot
 
-    def keys(memory, pool):  # [B, Hkv, L, D]: outliers and selected chunks, then the window
-        return torch.cat([memory[b_ids].flatten(2, 3), pool[w_ids].transpose(1, 2)], dim=2).float()
+    def keys(outlier_mem, memory, pool):  # [B, Hkv, L, D]: outliers and selected chunks, then the window
+        return torch.cat([outlier_mem[outliers.clamp(min=0)].flatten(2, 3), memory[selected.clamp(min=0)].flatten(2, 3),
+                          pool[w_ids].transpose(1, 2)], dim=2).float()
 
     c = blocks_k.shape[1]
     valid = torch.cat([b_ok.repeat_interleave(c, dim=2), w_ok[:, None, :].expand(-1, hkv, -1)], dim=2)  # [B, Hkv, L]
     valid &= (torch.arange(b_, device=q.device) < live_rows(live, b_))[:, None, None]
     g = hq // hkv
     qh = q.float().view(b_, nq, hkv, g, d).transpose(1, 2).reshape(b_, hkv, nq * g, d)
-    scores = (qh @ keys(blocks_k, k_pool).transpose(2, 3) * sm_scale).masked_fill(~valid[:, :, None], float("-inf"))
+    scores = (qh @ keys(out_k, blocks_k, k_pool).transpose(2, 3) * sm_scale).masked_fill(~valid[:, :, None], float("-inf"))
     total = scores.logsumexp(-1)  # [B, Hkv, Q·G]; -inf where nothing is attended
     probs = torch.exp(scores - total.nan_to_num(neginf=0.0)[..., None])
-    values = keys(blocks_v, v_pool).masked_fill(~valid[..., None], 0.0)  # masked: may be garbage
+    values = keys(out_v, blocks_v, v_pool).masked_fill(~valid[..., None], 0.0)  # masked: may be garbage
     out = (probs @ values).view(b_, hkv, nq, g, d).transpose(1, 2).reshape(b_ * nq, hq, d)
     if lse is not None:
         lse.copy_(total.view(b_, hkv, nq, g).transpose(1, 2).reshape(b_ * nq, hq))
@@ -141,7 +145,7 @@ def _fold_chunks(q, BLOCKS_K, BLOCKS_V, block, valid, token_of, m_i, l_i, acc, s
 # SPLITS and STORE_LSE are run-time arguments, not specialised: one compiled kernel serves every
 # split count, so capturing the decode graphs of all batch sizes compiles it once
 @triton.jit(do_not_specialize=["SPLITS", "STORE_LSE"])
-def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, ENTRIES, K_POOL, V_POOL,
+def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUT_K, OUT_V, OUTLIERS, SCRATCH_PAGES, ROWS, ENTRIES, K_POOL, V_POOL,
                           W_INDPTR, W_INDICES, O_OUT, LSE, LIVE, sm_scale, NUM_OUT, NUM_ENT, OUT_SPLIT_STRIDE,
                           stride_qb, stride_qh, stride_block, stride_olb, stride_olh, stride_sp,
                           stride_eb, stride_eh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
@@ -178,7 +182,7 @@ def _sparse_decode_kernel(Q, BLOCKS_K, BLOCKS_V, OUTLIERS, SCRATCH_PAGES, ROWS, 
     for i in range(out_lo, out_hi, CHUNKS_PER_BLOCK):
         idx = i + chunk_of
         block = tl.load(OUTLIERS + b * stride_olb + h * stride_olh + idx, mask=idx < out_hi, other=-1).to(tl.int64)
-        m_i, l_i, acc = _fold_chunks(q, BLOCKS_K, BLOCKS_V, block, block >= 0, token_of, m_i, l_i, acc, sm_scale,
+        m_i, l_i, acc = _fold_chunks(q, OUT_K, OUT_V, block, block >= 0, token_of, m_i, l_i, acc, sm_scale,
                                      stride_block, HEAD_DIM, DIM_PAD)
     # selected chunks: entries of this request's scratch row, blocks of its pages
     row = tl.load(ROWS + b).to(tl.int64)
@@ -223,7 +227,7 @@ def _split_range(count, split, SPLITS, STEP: tl.constexpr):
 
 def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries,
                             k_pool, v_pool, window_indptr, window_indices, sm_scale, lse=None,
-                            queries_per_request=1, splits=None, out_dtype=None, live=None):
+                            queries_per_request=1, splits=None, out_dtype=None, live=None, outlier_memory=None):
     """Triton version of `sparse_decode_attention_reference` (same arguments). `splits` (default:
     `key_splits`) divides each program's keys among that many programs, merged by log-sum-exp: a
     few programs alone (a small decode batch, one question's tiles) would leave most of the GPU
@@ -235,10 +239,12 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     if b == 0:
         return out
-    if blocks_k.stride() != blocks_v.stride() or blocks_k.stride(1) != d or blocks_k.stride(2) != 1:
-        raise ValueError("blocks_k and blocks_v must be contiguous [c, D] blocks, laid out alike")
-    if scratch_pages.stride(1) != 1:
-        raise ValueError("scratch_pages must be contiguous in its last dimension")
+    out_k, out_v = outlier_memory or (blocks_k, blocks_v)
+    if any(m.stride() != blocks_k.stride() for m in (blocks_v, out_k, out_v)) or blocks_k.stride(1) != d \
+            or blocks_k.stride(2) != 1:
+        raise ValueError("blocks_k, blocks_v and the outlier memory must be contiguous [c, D] blocks, laid out alike")
+    if scratch_pages.stride(1) != 1 or entries.stride(2) != 1:
+        raise ValueError("scratch_pages and entries must be contiguous in their last dimension")
     if lse is not None and (lse.shape != (n, hq) or not lse.is_contiguous() or lse.dtype != torch.float32):
         raise ValueError(f"lse must be a contiguous float32 [{n}, {hq}] tensor")
     if n != b * queries_per_request:
@@ -258,7 +264,7 @@ def sparse_decode_attention(q, blocks_k, blocks_v, outlier_blocks, scratch_pages
     else:
         dest, dest_lse, split_stride = out, out if lse is None else lse, 0  # (LSE unread without lse)
     _sparse_decode_kernel[(b, hkv, triton.cdiv(queries_per_request, query_block) * splits)](
-        q, blocks_k, blocks_v, outlier_blocks, scratch_pages, scratch_rows, entries, k_pool, v_pool,
+        q, blocks_k, blocks_v, out_k, out_v, outlier_blocks, scratch_pages, scratch_rows, entries, k_pool, v_pool,
         window_indptr, window_indices, dest, dest_lse, scratch_rows if live is None else live,  # (LIVE unread ungated)
         sm_scale, outlier_blocks.shape[2], entries.shape[2], split_stride,
         q.stride(0), q.stride(1), blocks_k.stride(0), outlier_blocks.stride(0), outlier_blocks.stride(1),

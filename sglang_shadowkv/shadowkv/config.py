@@ -64,9 +64,10 @@ class ShadowKVConfig:
     max_requests: int | None = _field(None, "most requests decoding from compressed state at once (default: "
                                       "--max-running-requests); each takes its chunk-cache scratch (a page per "
                                       "chunk of the budget's cap) from the KV pool while it runs")
-    sparse_prefill_max: int = _field(2048, "a prompt suffix over a cached compressed document up to this many tokens "
-                                     "attends the chunks it selects (per 64 queries); a longer one attends every "
-                                     "chunk, streamed; 0: always every chunk")
+    sparse_prefill_max: int = _field(0, "a prompt suffix over a cached compressed document up to this many tokens "
+                                     "attends the chunks it selects (per 64 queries, a CUDA graph step); a longer "
+                                     "one attends every chunk, rebuilt a layer at a time: exact attention over the "
+                                     "compressed document, as its cold prefill has (default 0: every suffix)")
     rank_cap: int | None = _field(None, "most low-rank dims per layer, also the low-rank pool's width (default: "
                                   "160, scaled up with key dims past 1024)")
     compress_policy: str = _field("tier", "tier: a document stays dense while the GPU holds it and is compressed "

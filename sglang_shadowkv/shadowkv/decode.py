@@ -35,6 +35,17 @@ from .selection import budget_summary, select_chunks
 
 
 @dataclass
+class ChunkMemory:
+    """Where fetched chunks land and attention reads them: the K and V memory as [c, D] blocks, and
+    a table of each row's pages (entry e of row r for KV head h is block pages[r, e]·Hkv + h,
+    kernels/scratch_blocks.py). The requests' chunk-cache scratch (`SparseDecoder.scratch`), or a
+    workspace of the step's own (suffix_prefill.py's every-chunk rounds)."""
+    blocks_k: torch.Tensor
+    blocks_v: torch.Tensor
+    pages: torch.Tensor
+
+
+@dataclass
 class SparseRequest:
     table_row: int  # row of the request-to-token table (the dense tokens' slots)
     scratch_row: int | None  # its chunk-cache scratch (None: a dense request, nothing to select)
@@ -296,6 +307,10 @@ class SparseDecoder:
         return select_chunks(scores, chunk_slots, budgets, top_k, self.max_entries, self.cfg.top_p_or_none,
                              self.cfg.min_budget_chunks)
 
+    def scratch(self, layer: int) -> ChunkMemory:
+        """The requests' chunk-cache scratch in this layer's K and V memory."""
+        return ChunkMemory(self.pool.blocks_k[layer], self.pool.blocks_v[layer], self.scratch_pages)
+
     def fetch_selected(self, layer: int, rows: torch.Tensor, selected: torch.Tensor,
                        count_hits: bool = False, live: torch.Tensor | None = None) -> torch.Tensor:
         """Bring the selected chunks [R, Hkv, K] into the scratch rows [R] (int32; only chunks not
@@ -303,7 +318,7 @@ class SparseDecoder:
         plan_fn = ccp.plan_chunk_cache_in_place if self.use_triton else ccp.plan_chunk_cache_in_place_reference
         jobs, entries = plan_fn(self.held[layer], rows, selected.contiguous(), live,
                                 self.hits if count_hits else None)
-        self._fetch(jobs, layer, rows, live)
+        self.fetch(jobs, layer, rows, self.scratch(layer), live)
         return entries
 
     def live_outliers(self, layer: int, outliers: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -315,26 +330,32 @@ class SparseDecoder:
                         entries: torch.Tensor, window_indptr: torch.Tensor, window_indices: torch.Tensor,
                         kv_pool: PagedKVPool, lse: torch.Tensor | None = None,
                         queries_per_request: int = 1, splits: int | None = None,
-                        out_dtype: torch.dtype | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
+                        out_dtype: torch.dtype | None = None, live: torch.Tensor | None = None,
+                        memory: ChunkMemory | None = None) -> torch.Tensor:
         """Exact attention of q [B·Q, Hq, D] (Q queries per request, 1 when decoding) over each
         request's outliers, scratch entries and dense window (splits: the kernel's key splits,
-        None: its own choice; out_dtype: the output's, default q's)."""
-        pool = self.pool
-        args = (q, pool.blocks_k[layer], pool.blocks_v[layer], outliers, self.scratch_pages, rows, entries.int(),
+        None: its own choice; out_dtype: the output's, default q's). memory: where the entries
+        are (default the scratch); the outliers are read from the pool."""
+        pool_blocks = (self.pool.blocks_k[layer], self.pool.blocks_v[layer])
+        memory = memory or self.scratch(layer)
+        args = (q, memory.blocks_k, memory.blocks_v, outliers, memory.pages, rows, entries.int(),
                 kv_pool.k_buffers[layer], kv_pool.v_buffers[layer], window_indptr, window_indices, q.shape[-1] ** -0.5)
-        kwargs = dict(lse=lse, queries_per_request=queries_per_request, out_dtype=out_dtype, live=live)
+        kwargs = dict(lse=lse, queries_per_request=queries_per_request, out_dtype=out_dtype, live=live,
+                      outlier_memory=pool_blocks)
         if not self.use_triton:
             return sda.sparse_decode_attention_reference(*args, **kwargs)
         return sda.sparse_decode_attention(*args, splits=splits, **kwargs)
 
-    def _fetch(self, jobs: torch.Tensor, layer: int, rows: torch.Tensor, live: torch.Tensor | None) -> None:
-        """Rebuild the missed keys and gather their values, on two streams when on a GPU."""
+    def fetch(self, jobs: torch.Tensor, layer: int, rows: torch.Tensor, memory: ChunkMemory,
+              live: torch.Tensor | None = None) -> None:
+        """Rebuild the keys of the jobs' chunks [R, Hkv, K] (-1: none) and gather their values into
+        the memory's rows [R], on two streams when on a GPU."""
         pool = self.pool
         rebuild_fn = rk.rebuild_keys if self.use_triton else rk.rebuild_keys_reference
         gather_fn = gv.gather_values if self.use_triton else gv.gather_values_reference
 
         def gather():
-            gather_fn(pool.host_v[layer], pool.host_slot, jobs, pool.blocks_v[layer], self.scratch_pages, rows,
+            gather_fn(pool.host_v[layer], pool.host_slot, jobs, memory.blocks_v, memory.pages, rows,
                       None if pool.value_scale is None else pool.value_scale[layer], resident=pool.resident(layer),
                       live=live)
 
@@ -348,7 +369,7 @@ class SparseDecoder:
             jobs.record_stream(self.copy_stream)
             rows.record_stream(self.copy_stream)
         rebuild_fn(pool.a_lo[layer], pool.a_hi[layer], *pool.basis_memory(layer), self.rotary.cos_cache,
-                   self.rotary.sin_cache, pool.chunk_pos, pool.chunk_basis, jobs, pool.blocks_k[layer],
-                   self.scratch_pages, rows, pool.basis_rank[layer], live)
+                   self.rotary.sin_cache, pool.chunk_pos, pool.chunk_basis, jobs, memory.blocks_k,
+                   memory.pages, rows, pool.basis_rank[layer], live)
         if self.copy_stream is not None:
             torch.cuda.current_stream(pool.device).wait_stream(self.copy_stream)

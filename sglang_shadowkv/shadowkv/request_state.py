@@ -28,6 +28,9 @@ class CompressedLayout:
     compressed_end: int  # every token from here on is dense
     segments: list[Segment] = field(default_factory=list)
     segment_chunks: list[int] = field(default_factory=list)  # chunks of each segment it holds
+    # which chunks of which segments, in order: equal for two prefixes of the same chunks (their
+    # chunk_slots equal), without reading a device tensor
+    chunks_key: tuple = ()
 
     @property
     def num_chunks(self) -> int:
@@ -61,20 +64,22 @@ def build_layout(entries: list, chunk_size: int) -> CompressedLayout | None:
     last_ref = len(entries) - next(i for i, e in enumerate(reversed(entries)) if type(e) is ChunkRef)
     end = last_ref * chunk_size
     dense_spans = [(a, b) for a, b in dense_spans if b <= end]
-    slots, blocks, los, his = [], [], [], []
+    slots, blocks, los, his, key = [], [], [], [], []
     for seg, indices in by_segment.values():
         first, last = indices[0], indices[-1]
         if last - first + 1 == len(indices):  # consecutive chunks (the usual case): a slice
             slots.append(seg.chunk_slots[first:last + 1])
+            key.append((id(seg), first, last + 1))
         else:
             slots.append(seg.chunk_slots[torch.tensor(indices, device=seg.chunk_slots.device)])
+            key.append((id(seg), tuple(indices)))
         blocks.append(seg.outlier_blocks)
         lo, hi = seg.start + min(indices) * chunk_size, seg.start + (max(indices) + 1) * chunk_size
         los.append(torch.full_like(seg.outlier_blocks, lo))
         his.append(torch.full_like(seg.outlier_blocks, hi))
     return CompressedLayout(torch.cat(slots), torch.cat(blocks, 1), torch.cat(los, 1), torch.cat(his, 1),
                             dense_spans, end, [seg for seg, _ in by_segment.values()],
-                            [len(indices) for _, indices in by_segment.values()])
+                            [len(indices) for _, indices in by_segment.values()], tuple(key))
 
 
 def segment_layout(seg: Segment, chunk_size: int) -> CompressedLayout:

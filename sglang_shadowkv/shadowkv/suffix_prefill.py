@@ -8,20 +8,25 @@ key sets):
 - the dense tokens: each prefix's dense spans and the suffix itself, causally, for every suffix
   in one ragged kernel call (the dense tokens are the last of each key list, so its causal rule
   holds).
-- the compressed chunks, read the way decode reads them: per tile of TILE suffix queries, the
+- the compressed chunks. An `exact` request (every suffix at the default
+  shadowkv_sparse_prefill_max 0; past it a longer one, or one that asks for prompt logprobs)
+  attends every chunk: exact attention over the compressed document, what the same question sent
+  cold attends. The step's exact requests are one round, whose documents (each once, however many
+  of its questions the step holds) are rebuilt into a workspace of the step's own, at most
+  WORKSPACE_BYTES at a time, and attended by the sparse decode kernel with every query of a
+  request reading them, the outliers in the same pass: a few launches a layer.
+  Otherwise the chunks are read the way decode reads them: per tile of TILE suffix queries, the
   landmark softmax mass summed over the tile's queries (max over each KV group) picks the budget's
   best chunks per KV head; their keys are rebuilt and values fetched into the request's own
-  chunk-cache scratch, and the tile's queries attend them and the outlier chunks exactly (one
-  batched matmul: a tile's queries share those keys). A tile per 64 queries (not one selection
-  for the whole suffix, as the ShadowKV reference does) lets a long question that touches several
-  parts of the document find them all. Round k serves the k-th tile of every suffix that has one,
-  so a step of short questions is one round. An `exact` request (a suffix longer than
-  shadowkv_sparse_prefill_max, or one that asks for prompt logprobs) attends every chunk instead,
-  streamed through its scratch a scratch-full at a time: never the whole document dense at once.
-The scratch ends holding the last tile's selection: the request's decode starts from it.
+  chunk-cache scratch, and the tile's queries attend them and the outlier chunks. A tile per 64
+  queries (not one selection for the whole suffix, as the ShadowKV reference does) lets a long
+  question that touches several parts of the document find them all. Round k serves the k-th
+  tile of every suffix that has one, so a step of short questions is one round.
+The scratch ends holding the last tile's selection (none after an exact round): the request's
+decode starts from it.
 
-A step whose only work is short suffixes (questions on cached compressed documents with nothing
-else running) can replay a CUDA graph: `plan_static` writes its plan into fixed buffers, each
+A step whose only work is short selecting suffixes (questions on cached compressed documents with
+nothing else running) can replay a CUDA graph: `plan_static` writes its plan into fixed buffers, each
 suffix padded to a captured token count (GRAPH_TOKENS) with queries that read and write only the
 reserved page, so the per-layer work above costs one replay instead of ~200 launches a layer.
 """
@@ -30,21 +35,29 @@ from __future__ import annotations
 
 import itertools
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from sglang_shadowkv.kernels import landmark_scores as ls
 from sglang_shadowkv.kernels import ragged_paged_attention as rpa
-from sglang_shadowkv.kernels.scratch_blocks import scratch_blocks
+from sglang_shadowkv.kernels.key_splits import power_of_two_at_most
 from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool, ReqToTokenPool, to_device
 
-from .decode import SparseDecoder
+from .decode import ChunkMemory, SparseDecoder
 from .request_state import CompressedLayout, copy_padded, selection_tables
 
 TILE = 64  # suffix queries that share one chunk selection
 WORK_BYTES = 1 << 29  # float32 scores a batched selection or attention may hold at once
+# K and V of rebuilt chunks an exact round's workspace holds at once: 64K tokens of a document of
+# the 8B shape; a longer one (or several) is attended a piece at a time, merged by log-sum-exp.
+# Taken from the memory that mem_fraction_static leaves beside the pools (GBs on a GPU)
+WORKSPACE_BYTES = 1 << 28
+# chunk columns of one row of a workspace fetch: its kernels take a row's jobs whole (the key
+# rebuild ranks a row's misses in one tile), so a piece is fetched as rows of this many, the width
+# decode's fetches have at the default budget cap (compiled at the server's warmup)
+FETCH_ENTRIES = 256
 # suffix lengths a CUDA graph is captured for: past TILE, whole tiles, so that every round of a
 # padded suffix holds at least one real query (an empty round would fetch chunks nobody needs)
 GRAPH_TOKENS = (16, 32, 64, 128, 192, 256)
@@ -102,7 +115,25 @@ class SuffixRound:
     outliers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # [R, Hkv, O] blocks, lo, hi
     budgets: torch.Tensor  # [R]
     top_k: int
-    exact: bool  # one request, every chunk, streamed
+    workspace: Workspace | None = None  # an exact round's (None: tiles, each attending its selection)
+
+    @property
+    def exact(self) -> bool:
+        return self.workspace is not None
+
+
+@dataclass
+class Workspace:
+    """Where an exact round's documents are rebuilt, layer by layer: each distinct document once,
+    however many of its questions the step holds, a piece of `width` chunk columns at a time."""
+    slots: torch.Tensor  # [D, pieces·width] long: each document's chunk slots, null-slot padded
+    docs: torch.Tensor  # [R] int32: each request's document (its row of `memory`)
+    width: int  # chunk columns of a piece: a power of two
+    memory: ChunkMemory  # a piece's K and V blocks, pages [D, width]
+    fetch_memory: ChunkMemory  # the same blocks, pages [D·width/r, r]: rows of r <= FETCH_ENTRIES columns
+    fetch_rows: torch.Tensor  # [D·width/r] int32
+    columns: torch.Tensor  # [width] int32
+    no_outliers: torch.Tensor  # [R, Hkv, O] all -1: the pieces after the first
 
 
 @dataclass
@@ -153,9 +184,10 @@ class SuffixPrefill:
             counts = [min(TILE, n_q[i] - k * TILE) for i in members]
             rounds.append(self._round(reqs, members, [offsets[i] + k * TILE for i in members], counts,
                                       tile_width(max(counts)), False))
-        for i, r in enumerate(reqs):
-            if r.exact:
-                rounds.append(self._round(reqs, [i], [offsets[i]], [n_q[i]], n_q[i], True))
+        exact = [i for i, r in enumerate(reqs) if r.exact]
+        if exact:  # one round: every query of each, its documents rebuilt once
+            rounds.append(self._round(reqs, exact, [offsets[i] for i in exact], [n_q[i] for i in exact],
+                                      max(n_q[i] for i in exact), True))
         return SuffixPlan(to_device(q_rows, dev), to_device(torch.tensor(offsets, **ints), dev),
                           to_device(torch.tensor(dense_indptr, **ints), dev),
                           table.span_slots(*map(list, zip(*spans))), rounds, max(n_q))
@@ -172,7 +204,29 @@ class SuffixPrefill:
         take = (to_device(flat[q_valid], dev), to_device(q_index[q_valid], dev))  # here: no device sync
         return SuffixRound(to_device(torch.where(q_valid, q_index, q_index[:, :1]), dev), to_device(q_valid, dev), take,
                            to_device(torch.tensor([reqs[i].scratch_row for i in members], dtype=torch.int32), dev),
-                           slots, outliers, to_device(torch.tensor(budgets), dev), max(budgets), exact)
+                           slots, outliers, to_device(torch.tensor(budgets), dev), max(budgets),
+                           self._workspace(slots, [reqs[i].layout for i in members], outliers[0]) if exact else None)
+
+    def _workspace(self, slots: torch.Tensor, layouts: list[CompressedLayout], outliers: torch.Tensor) -> Workspace:
+        """An exact round's workspace, for the requests' chunk slots [R, N] (rows of equal layouts'
+        chunks are one document) and outlier blocks [R, Hkv, O], of at most WORKSPACE_BYTES."""
+        pool, dev = self.decoder.pool, self.decoder.pool.device
+        first: dict[tuple, int] = {}
+        rows = [first.setdefault(lay.chunks_key, i) for i, lay in enumerate(layouts)]
+        distinct = sorted(set(rows))
+        docs = to_device(torch.tensor([distinct.index(row) for row in rows], dtype=torch.int32), dev)
+        block = pool.blocks_k[0][0]
+        column_bytes = 2 * len(distinct) * pool.num_kv_heads * block.numel() * block.element_size()
+        width = min(triton.next_power_of_2(slots.shape[1]), power_of_two_at_most(WORKSPACE_BYTES // column_bytes))
+        doc_slots = slots[to_device(torch.tensor(distinct), dev)].long()
+        doc_slots = torch.nn.functional.pad(doc_slots, (0, -doc_slots.shape[1] % width), value=pool.null_slot)
+        blocks = [torch.empty(len(distinct) * width * pool.num_kv_heads, *block.shape, dtype=block.dtype, device=dev)
+                  for _ in range(2)]
+        pages = torch.arange(len(distinct) * width, dtype=torch.int32, device=dev)
+        row = min(FETCH_ENTRIES, width)
+        return Workspace(doc_slots, docs, width, ChunkMemory(*blocks, pages.view(-1, width)),
+                         ChunkMemory(*blocks, pages.view(-1, row)), pages[:pages.numel() // row],
+                         torch.arange(width, dtype=torch.int32, device=dev), torch.full_like(outliers, -1))
 
     # ---- CUDA-graph steps: suffixes padded to a fixed shape -----------------------------------
     def init_graph_state(self, max_dense_tokens: int, max_outliers: int) -> None:
@@ -242,7 +296,7 @@ class SuffixPrefill:
             rounds.append(SuffixRound(q_index, g.q_valid[:r, first:first + t], (torch.arange(r * t, device=dev),
                                       q_index.flatten()), g.rows[:r], g.chunk_slots[:r, :width],
                                       tuple(o[:r] for o in g.outliers), g.budgets[:r],
-                                      self.decoder.cfg.budget_chunks(width), False))
+                                      self.decoder.cfg.budget_chunks(width)))
         return SuffixPlan(torch.arange(r * tokens, device=dev), q_indptr, g.dense_indptr[:r + 1], g.dense_slots,
                           rounds, tokens)
 
@@ -256,12 +310,12 @@ class SuffixPrefill:
             qt = q[rnd.q_index]  # [R, t, Hq, D]
             o, o_lse = out[rnd.q_index], lse[rnd.q_index]
             outliers = self.decoder.live_outliers(layer, *rnd.outliers)
-            pieces = self._exact_pieces(layer, rnd) if rnd.exact else [self._select(qt, rnd, layer)]
-            attend = self._compressed_shared if rnd.exact else self._compressed_tiles
-            for k, selected in enumerate(pieces):
-                entries = self.decoder.fetch_selected(layer, rnd.rows, selected)
-                part, part_lse = attend(qt, layer, outliers if k == 0 else torch.full_like(outliers, -1),
-                                        rnd.rows, entries, kv_pool)  # outliers once, with the first piece
+            if rnd.exact:
+                for part, part_lse in self._every_chunk(qt, layer, rnd, outliers, kv_pool):
+                    o, o_lse = merge(o, o_lse, part, part_lse)
+            else:
+                entries = self.decoder.fetch_selected(layer, rnd.rows, self._select(qt, rnd, layer))
+                part, part_lse = self._compressed_tiles(qt, layer, outliers, rnd.rows, entries, kv_pool)
                 o, o_lse = merge(o, o_lse, part, part_lse)
             src, dst = rnd.take
             out[dst], lse[dst] = o.flatten(0, 1)[src], o_lse.flatten(0, 1)[src]
@@ -285,65 +339,54 @@ class SuffixPrefill:
                                 for a, b in _groups(r, per_request)])
         return self.decoder.select(masses, rnd.chunk_slots, rnd.budgets, rnd.top_k)
 
-    def _exact_pieces(self, layer: int, rnd: SuffixRound) -> list[torch.Tensor]:
-        """Every selectable chunk of the round's one request, as [1, Hkv, max_entries] pieces that
-        fit the scratch."""
-        slots = rnd.chunk_slots[0].long()
-        ok = self.decoder.pool.selectable[layer][slots].T.bool()  # [Hkv, N]
-        per_head = torch.where(ok, slots, -1)
-        size = self.decoder.max_entries
-        return [torch.nn.functional.pad(per_head[:, a:a + size], (0, size - per_head[:, a:a + size].shape[1]),
-                                        value=-1)[None] for a in range(0, slots.numel(), size)]
-
     def _compressed_tiles(self, qt: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,
-                              entries: torch.Tensor, kv_pool: PagedKVPool) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_compressed_shared` for tiles of at most TILE queries: the sparse decode kernel with a
-        tile as a request of t queries (no window), one kernel instead of ~30 gathers, matmuls and
-        elementwise ops, each program reading the keys once for a block of the tile's queries.
+                          entries: torch.Tensor, kv_pool: PagedKVPool,
+                          memory: ChunkMemory | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of the tiles' queries qt [R, t, Hq, D] over each one's outliers [R, Hkv, O]
+        and entries [R, Hkv, K] of rows [R] of the memory (default the scratch): (output
+        [R, t, Hq, D] float32, lse [R, t, Hq]). The sparse decode kernel with a tile as a request
+        of t queries (no window), each program reading the keys once for a block of the tile's
+        queries; on a CPU its reference, a few tiles' queries at a time within WORK_BYTES.
         The queries in the model's dtype (bf16 on a GPU: the kernel's dots on bf16 tensor cores,
         as exact as in float32 for bf16 values, with float32 accumulation; no upcast copy), the
         output float32 for the merge. On the H100, 16 questions on a 16K document spent 24 ms in
         it with float32 queries and 22 ms with bf16: its gathered chunk loads, not its dots, set
         its time."""
         r, t, hq, d = qt.shape
-        n = r * t
         no_window = torch.zeros(r + 1, dtype=torch.int32, device=qt.device)
-        lse = torch.empty(n, hq, dtype=torch.float32, device=qt.device)
-        out = self.decoder.attend_selected(qt.reshape(n, hq, d), layer, outliers, rows, entries, no_window,
-                                           no_window, kv_pool, lse=lse, queries_per_request=t,
-                                           out_dtype=torch.float32)
-        return out.view(r, t, hq, d), lse.view(r, t, hq)
+        keys = outliers.shape[2] + entries.shape[2]
+        step = t if self.use_triton else max(1, WORK_BYTES // max(1, 4 * r * hq * keys * self.decoder.pool.chunk_size))
+        parts = []
+        for a in range(0, t, step):
+            q = qt[:, a:a + step]
+            lse = torch.empty(q.shape[0] * q.shape[1], hq, dtype=torch.float32, device=qt.device)
+            out = self.decoder.attend_selected(q.reshape(-1, hq, d), layer, outliers, rows, entries, no_window,
+                                               no_window, kv_pool, lse=lse, queries_per_request=q.shape[1],
+                                               out_dtype=torch.float32, memory=memory)
+            parts.append((out.view(q.shape), lse.view(q.shape[:3])))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)
 
-    def _compressed_shared(self, qt: torch.Tensor, layer: int, outliers: torch.Tensor, rows: torch.Tensor,
-                           entries: torch.Tensor, kv_pool: PagedKVPool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of the tiles' queries qt [R, t, Hq, D] over each request's outliers [R, Hkv, O]
-        and scratch entries [R, Hkv, K]: (output [R, t, Hq, D] float32, lse [R, t, Hq]). A tile's
-        queries share their keys, so each KV head's keys are gathered once and scored as one
-        matmul, a block of queries at a time: for the long tiles of exact requests, where reading
-        every chunk once per query would cost their count times more."""
-        decoder, pool = self.decoder, self.decoder.pool
-        r, t, hq, d = qt.shape
-        h, c = pool.num_kv_heads, pool.chunk_size
-        g = hq // h
-        # the outlier blocks, then the blocks of the scratch entries: [R, Hkv, O + K] (-1: none)
-        blocks = torch.cat([outliers.long(), scratch_blocks(decoder.scratch_pages, rows, entries)], 2)
-        ids, valid = blocks.clamp(min=0), (blocks >= 0).repeat_interleave(c, dim=2)
-        keys = pool.blocks_k[layer][ids].reshape(r, h, -1, d).float()
-        # entries never written hold whatever their pages held before: zero their values, so that a
-        # zero probability times them stays zero
-        values = pool.blocks_v[layer][ids].reshape(r, h, -1, d).float().masked_fill(~valid[..., None], 0.0)
-        invalid = ~valid[:, :, None, :]
-        q = qt.float().view(r, t, h, g, d).permute(0, 2, 1, 3, 4).reshape(r, h, t * g, d)  # [R, Hkv, t * G, D]
-        out, lse = torch.empty_like(q), q.new_empty(r, h, t * g)
-        block = max(g, WORK_BYTES // (4 * r * h * keys.shape[2]) // g * g)
-        for a in range(0, t * g, block):
-            with exact_bf16_matmul(q.is_cuda):
-                scores = (q[:, :, a:a + block] @ keys.transpose(2, 3) * d ** -0.5).masked_fill(invalid, float("-inf"))
-                lse[:, :, a:a + block] = part_lse = scores.logsumexp(-1)  # -inf where a head has no keys
-                probs = torch.exp(scores - part_lse.nan_to_num(neginf=0.0)[..., None])
-                out[:, :, a:a + block] = probs @ values
-        out = out.view(r, h, t, g, d).permute(0, 2, 1, 3, 4).reshape(r, t, hq, d)
-        return out, lse.view(r, h, t, g).permute(0, 2, 1, 3).reshape(r, t, hq)
+    def _every_chunk(self, qt: torch.Tensor, layer: int, rnd: SuffixRound, outliers: torch.Tensor,
+                     kv_pool: PagedKVPool):
+        """An exact round's attention over every selectable chunk of its documents and its
+        outliers, as (output [R, t, Hq, D] float32, lse [R, t, Hq]) parts to merge: a piece of
+        chunk columns at a time, its keys rebuilt and values gathered into the round's
+        workspace (fetched as rows of at most FETCH_ENTRIES columns: the rows decode's fetches
+        have at the default budget cap, compiled at the server's warmup), the outliers read from
+        the pool with the first piece."""
+        ws, hkv = rnd.workspace, self.decoder.pool.num_kv_heads
+        ok = self.decoder.pool.selectable[layer][ws.slots].transpose(1, 2) != 0  # [D, Hkv, columns]
+        jobs = torch.where(ok, ws.slots[:, None, :], -1).contiguous()  # (ok's layout is the transpose's)
+        row = ws.fetch_memory.pages.shape[1]
+        for k, a in enumerate(range(0, jobs.shape[2], ws.width)):
+            piece = jobs[:, :, a:a + ws.width]
+            rows = piece.reshape(piece.shape[0], hkv, ws.width // row, row).transpose(1, 2).reshape(-1, hkv, row)
+            self.decoder.fetch(rows, layer, ws.fetch_rows, ws.fetch_memory)
+            entries = torch.where(piece >= 0, ws.columns, -1)[ws.docs]  # [R, Hkv, width]
+            yield self._compressed_tiles(qt, layer, outliers if k == 0 else ws.no_outliers, ws.docs, entries, kv_pool,
+                                         ws.memory)
 
     def _dense(self, q, layer, plan, kv_pool):
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
@@ -352,22 +395,6 @@ class SuffixPrefill:
         out = fn(q, kv_pool.k_buffers[layer], kv_pool.v_buffers[layer], plan.q_indptr, plan.dense_indptr,
                  plan.dense_slots, q.shape[-1] ** -0.5, lse=lse, **extra)
         return out, lse
-
-
-@contextmanager
-def exact_bf16_matmul(on_gpu: bool):
-    """float32 matmuls on TF32 tensor cores (GPU): exact for operands that are bf16 values (TF32
-    keeps 10 mantissa bits, bf16 has 7), with float32 accumulation and output, as an attention
-    kernel computes them, at tensor-core speed instead of float32 FMA speed."""
-    if not on_gpu:
-        yield
-        return
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
 
 
 def _groups(count: int, bytes_each: int) -> list[tuple[int, int]]:
@@ -379,8 +406,5 @@ def _groups(count: int, bytes_each: int) -> list[tuple[int, int]]:
 def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
     """Attention over the union of two disjoint key sets from each set's output [..., H, D] and
     log-sum-exp [..., H] (float32; a set with no keys has lse -inf and contributes nothing)."""
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-    total = w1 + w2
-    out = (o1 * w1[..., None] + o2 * w2[..., None]) / total[..., None]
-    return out, m + torch.log(total)
+    lse = torch.logaddexp(lse1, lse2)
+    return o1 * torch.exp(lse1 - lse)[..., None] + o2 * torch.exp(lse2 - lse)[..., None], lse

@@ -143,7 +143,11 @@ class ShadowKVAttentionBackend(AttentionBackend):
     def compile_suffix_variants(self) -> list:
         """Suffix steps select per KV head, not per query head: another compile of the selection
         per compile class, and of the tile scoring. On the H100 a chat's first question over a
-        17K document waited 1.5 s for it (SGLang's client, every step in flight waiting too)."""
+        17K document waited 1.5 s for it (SGLang's client, every step in flight waiting too). None
+        when every suffix attends every chunk (shadowkv_sparse_prefill_max 0, the default): no
+        suffix selects."""
+        if self.cfg.sparse_prefill_max == 0:
+            return []
         return [(SUFFIX_GRAPH, w) for w in self._widest_of_each_compile_class()]
 
     def _widest_of_each_compile_class(self) -> list[int]:
