@@ -11,6 +11,7 @@ from tests.test_shadowkv import (SHADOW_ENGINE, assert_shadow_pools_clean, docum
 
 
 SELECTING = {"shadowkv_sparse_prefill_max": 2048}  # suffixes of up to 2048 tokens attend a chunk selection
+TRITON_LAYERS = 3  # layers whose exact round also runs the Triton kernels (interpreted)
 
 
 def suffix_scheduler(shadow_engine, **overrides):
@@ -75,8 +76,8 @@ def test_exact_questions_together_share_one_rebuild_and_their_kernels_match_the_
                                                                                           monkeypatch):
     """Questions attending every chunk (shadowkv_sparse_prefill_max=0) sent together: one round, their
     document rebuilt once for all three (not once each), each answering as it does alone. Its
-    Triton kernels (interpreted here) give the torch reference's attention output in every layer,
-    with the workspace cut into pieces of 64 chunk columns (the last one padded)."""
+    Triton kernels (interpreted here) give the torch reference's attention output, with the
+    workspace cut into pieces of 64 chunk columns (the last one padded)."""
     from sglang_shadowkv.sampling_params import SamplingParams
     from sglang_shadowkv.shadowkv import suffix_prefill
 
@@ -90,7 +91,10 @@ def test_exact_questions_together_share_one_rebuild_and_their_kernels_match_the_
     planned, attend, fetch = suffix_prefill.SuffixPrefill.plan, suffix_prefill.SuffixPrefill.attend, suffix.decoder.fetch
 
     def both_paths(self, q, layer, plan, kv_pool):
-        """The reference's output, after the Triton kernels' on the same inputs."""
+        """The reference's output, after the Triton kernels' on the same inputs (the first
+        TRITON_LAYERS layers: the interpreter takes seconds a layer)."""
+        if layer >= TRITON_LAYERS:
+            return attend(self, q, layer, plan, kv_pool)
         self.use_triton = self.decoder.use_triton = True
         got = attend(self, q, layer, plan, kv_pool)
         self.use_triton = self.decoder.use_triton = False
@@ -117,8 +121,9 @@ def test_exact_questions_together_share_one_rebuild_and_their_kernels_match_the_
     assert sched.runner.backend.compile_suffix_variants() == []  # no suffix selects: nothing to compile for it
     assert ws.slots.shape[0] == 1 and ws.docs.tolist() == [0, 0, 0] and ws.width == 64
     layers = sched.runner.config.num_layers
-    assert len(gaps) == layers and max(gaps) < 1e-4
-    assert len(pieces) == 2 * layers * ws.slots.shape[1] // 64 > 2 * layers and {p[2] for p in pieces} == {64}
+    assert len(gaps) == TRITON_LAYERS and max(gaps) < 1e-4
+    assert len(pieces) == (layers + TRITON_LAYERS) * ws.slots.shape[1] // 64 > layers + TRITON_LAYERS
+    assert {p[2] for p in pieces} == {64}
     del sched
     gc.collect()
 
