@@ -55,7 +55,7 @@ with compile_only() as compiled:
                                         torch.zeros(2, 1, entries + 1, dtype=torch.long), rows, 0, live)
         plan_chunk_cache_in_place(torch.full((2, hkv, entries), -1), rows, selected, live,
                                   torch.zeros(2, 2, dtype=torch.long))  # (counting hits, as decode steps do)
-        for jobs in (value_jobs, value_jobs.int()):  # decode's int64, an exact suffix round's int32
+        for jobs in (value_jobs, value_jobs.int()):  # decode's int64, and int32 (the device refused them once)
             gather_values(values.host_v[0], values.host_slot, jobs, values.blocks_v[0], value_table, rows,
                           values.value_scale[0], values.resident(0), live, programs=4)
         for jobs in (slots, slots.int()):
