@@ -10,8 +10,8 @@ key sets):
   holds).
 - the compressed chunks. An `exact` request (every suffix at the default
   shadowkv_sparse_prefill_max 0; past it a longer one, or one that asks for prompt logprobs)
-  attends every chunk: exact attention over the compressed document, what the same question sent
-  cold attends. The step's exact requests are one round, whose documents (each once, however many
+  attends every chunk: exact attention over the compressed document (keys rebuilt from their
+  low-rank factors), none left out, as none is in the same question's cold prefill. The step's exact requests are one round, whose documents (each once, however many
   of its questions the step holds) are rebuilt into a workspace of the step's own, at most
   WORKSPACE_BYTES at a time, and attended by the sparse decode kernel with every query of a
   request reading them, the outliers in the same pass: a few launches a layer.
