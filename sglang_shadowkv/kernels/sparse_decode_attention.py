@@ -91,6 +91,7 @@ def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scr
     out_k, out_v = outlier_memory or (blocks_k, blocks_v)
     outliers, selected = outlier_blocks.long(), scratch_blocks(scratch_pages, scratch_rows, entries)
     b_ok = torch.cat([outliers, selected], 2) >= 0  # [B, Hkv, O + K]
+    outlier_ids, selected_ids = outliers.clamp(min=0), selected.clamp(min=0)
     lens = window_indptr[1:] - window_indptr[:-1]
     width = int(lens.max()) if b_ > 0 else 0
     w_pos = torch.arange(width, device=q.device)
@@ -99,7 +100,7 @@ def sparse_decode_attention_reference(q, blocks_k, blocks_v, outlier_blocks, scr
                            * w_ok].long()  # [B, W]; masked positions read a valid slot
 
     def keys(outlier_mem, memory, pool):  # [B, Hkv, L, D]: outliers and selected chunks, then the window
-        return torch.cat([outlier_mem[outliers.clamp(min=0)].flatten(2, 3), memory[selected.clamp(min=0)].flatten(2, 3),
+        return torch.cat([outlier_mem[outlier_ids].flatten(2, 3), memory[selected_ids].flatten(2, 3),
                           pool[w_ids].transpose(1, 2)], dim=2).float()
 
     c = blocks_k.shape[1]

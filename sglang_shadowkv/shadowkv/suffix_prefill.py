@@ -355,10 +355,10 @@ class SuffixPrefill:
         r, t, hq, d = qt.shape
         no_window = torch.zeros(r + 1, dtype=torch.int32, device=qt.device)
         keys = outliers.shape[2] + entries.shape[2]
-        step = t if self.use_triton else max(1, WORK_BYTES // max(1, 4 * r * hq * keys * self.decoder.pool.chunk_size))
+        spans = [(0, t)] if self.use_triton else _groups(t, 4 * r * hq * keys * self.decoder.pool.chunk_size)
         parts = []
-        for a in range(0, t, step):
-            q = qt[:, a:a + step]
+        for a, b in spans:
+            q = qt[:, a:b]
             lse = torch.empty(q.shape[0] * q.shape[1], hq, dtype=torch.float32, device=qt.device)
             out = self.decoder.attend_selected(q.reshape(-1, hq, d), layer, outliers, rows, entries, no_window,
                                                no_window, kv_pool, lse=lse, queries_per_request=q.shape[1],
