@@ -207,7 +207,8 @@ def test_startup_runs_each_selection_compile_class_once_plain_with_a_long_window
     assert len(widths) == len({compile_class(w) for w in widths}) and max(widths) == max(all_widths)
     assert [v for v in variants if isinstance(v, tuple)] == [("long_window", w) for w in widths]
     suffix_variants = graphs.backend.compile_suffix_variants()
-    assert suffix_variants == [("suffix", w) for w in widths]  # suffixes select per KV head: compiled apart
+    # suffixes select per KV head: compiled apart; an exact step's kernels are one set at every width
+    assert suffix_variants == [("suffix", w) for w in widths] + [("exact_suffix", all_widths[0], 1)]
     ran, forward = [], graphs._forward
     def record(batch, key):
         first_of_its_kind = not any(isinstance(k[0], tuple) == isinstance(key[0], tuple) for k in ran)
@@ -366,6 +367,77 @@ def test_a_turn_longer_than_a_suffix_graph_replays_it_in_whole_tile_chunks_with_
     assert suffix_steps == 3  # the question's, then the turn's 256 + 44 tokens: every one from a graph
     monkeypatch.setattr(prefill, "SUFFIX_CHUNK_TOKENS", 1 << 20)  # the whole turn in one eager step
     assert answers(plain) == want
+    for eng in (plain, graphed):
+        assert_pool_clean(eng)
+        assert_shadow_pools_clean(eng)
+
+
+@pytest.fixture(scope="module")
+def exact_pair():
+    """Engines at the default shadowkv_sparse_prefill_max 0: every suffix attends every chunk."""
+    from sglang_shadowkv import Engine
+
+    plain = Engine(**SHADOW_ENGINE, disable_overlap_schedule=True)
+    graphed = Engine(**SHADOW_ENGINE)
+    with_static_decode(graphed, 4)
+    yield plain, graphed
+    plain.shutdown()
+    graphed.shutdown()
+
+
+def test_exact_suffixes_replay_a_graph_per_documents_and_give_the_eager_tokens(exact_pair, monkeypatch):
+    """Questions that attend every compressed chunk (shadowkv_sparse_prefill_max 0, the default)
+    replay an exact suffix graph: one question, three on one document at once (its chunks
+    rebuilt once: one document in the workspace), and questions on two documents at once (two);
+    each answers as the eager step does, and the padding touches only the reserved page. Documents
+    that do not fit the workspace in one piece run eagerly, with the same answers."""
+    from sglang_shadowkv.model_executor import cuda_graph_runner
+    from sglang_shadowkv.shadowkv import suffix_prefill
+
+    plain, graphed = exact_pair
+    graphs = graphed.scheduler.runner.graphs
+    narrowest = graph_widths(graphs.backend.decoder.max_chunks)[0]
+    assert graphs.backend.compile_suffix_variants() == [("exact_suffix", narrowest, 1)]  # no selection
+    doc, questions = document_and_questions(plain.tokenizer, 1200, 47)
+    other, _ = document_and_questions(plain.tokenizer, 900, 48)
+    want = greedy_answers(plain.scheduler, doc, questions[:2], 6)
+
+    def exact_steps(before):
+        return {v: n - before.get(v, 0) for v, n in graphs.replays_by_variant.items()
+                if v.startswith("('exact_suffix'") and n > before.get(v, 0)}
+
+    before = graphs.replays_by_variant.copy()
+    assert greedy_answers(graphed.scheduler, doc, questions[:2], 6) == want
+    assert sum(exact_steps(before).values()) == 2 and all(v.endswith(", 1)") for v in exact_steps(before))
+    table = graphed.scheduler.runner.req_to_token
+    assert not table.table[table.padding_row].any()
+
+    def together(eng, prompts):
+        sched = eng.scheduler
+        reqs = [sched.add_request(f"t{i}", p, SamplingParams(max_new_tokens=6, temperature=0))
+                for i, p in enumerate(prompts)]
+        sched.step()
+        assert all(r.prompt_done for r in reqs)  # one step of suffixes
+        while sched.has_work:
+            sched.step()
+        return [r.output_ids for r in reqs]
+
+    for eng in (plain, graphed):  # the second document compressed too
+        greedy_answers(eng.scheduler, other, questions[:1], 1)
+    monkeypatch.setattr(cuda_graph_runner, "EXTRA_SUFFIX_REPLAYS_BEFORE_CAPTURE", 0)  # one replay of 3 (padded to 4)
+    same_doc = [doc + q for q in questions[:3]]
+    two_docs = [doc + questions[0], other + questions[1], doc + questions[2]]
+    for prompts, documents in ((same_doc, 1), (two_docs, 2)):
+        want = together(plain, prompts)
+        before = graphs.replays_by_variant.copy()
+        assert together(graphed, prompts) == want
+        steps = exact_steps(before)
+        assert sum(steps.values()) == 1 and next(iter(steps)).endswith(f", {documents})")
+    monkeypatch.setattr(suffix_prefill, "WORKSPACE_BYTES", 1 << 10)  # no document fits in one piece
+    before = graphs.replays_by_variant.copy()
+    eager = graphed.scheduler.runner.eager_steps
+    assert together(graphed, two_docs) == want
+    assert not exact_steps(before) and graphed.scheduler.runner.eager_steps > eager
     for eng in (plain, graphed):
         assert_pool_clean(eng)
         assert_shadow_pools_clean(eng)

@@ -11,8 +11,9 @@ key sets):
 - the compressed chunks. An `exact` request (every suffix at the default
   shadowkv_sparse_prefill_max 0; past it a longer one, or one that asks for prompt logprobs)
   attends every chunk: exact attention over the compressed document (keys rebuilt from their
-  low-rank factors), none left out, as none is in the same question's cold prefill. The step's exact requests are one round, whose documents (each once, however many
-  of its questions the step holds) are rebuilt into a workspace of the step's own, at most
+  low-rank factors), none left out, as none is in the same question's cold prefill. The
+  step's exact requests are one round, whose documents (each once, however many of its
+  questions the step holds) are rebuilt into a workspace of the step's own, at most
   WORKSPACE_BYTES at a time, and attended by the sparse decode kernel with every query of a
   request reading them, the outliers in the same pass: a few launches a layer.
   Otherwise the chunks are read the way decode reads them: per tile of TILE suffix queries, the
@@ -25,10 +26,15 @@ key sets):
 The scratch ends holding the last tile's selection (none after an exact round): the request's
 decode starts from it.
 
-A step whose only work is short selecting suffixes (questions on cached compressed documents with
-nothing else running) can replay a CUDA graph: `plan_static` writes its plan into fixed buffers, each
-suffix padded to a captured token count (GRAPH_TOKENS) with queries that read and write only the
-reserved page, so the per-layer work above costs one replay instead of ~200 launches a layer.
+A step whose only work is short suffixes (questions on cached compressed documents with nothing
+else running, or beside decodes that replay their own graphs) can replay a CUDA graph:
+`plan_static` writes its plan into fixed buffers, each suffix padded to a captured token count
+(GRAPH_TOKENS) with queries that read and write only the reserved page, so the per-layer work
+above costs one replay, not ~100 launches a layer whose host time set the step's (a question
+on a 16K document of the 8B shape: 100 ms eagerly on the H100, 29 ms of it on the device). Exact
+steps too, when their documents fit one piece of a workspace that every exact graph shares
+(graph_fits): a graph per (requests, tokens, chunk width, documents), documents counted up to a
+request count of GRAPH_REQUESTS.
 """
 
 from __future__ import annotations
@@ -128,12 +134,34 @@ class Workspace:
     however many of its questions the step holds, a piece of `width` chunk columns at a time."""
     slots: torch.Tensor  # [D, pieces·width] long: each document's chunk slots, null-slot padded
     docs: torch.Tensor  # [R] int32: each request's document (its row of `memory`)
-    width: int  # chunk columns of a piece: a power of two
+    width: int  # chunk columns of a piece: a power of two, or a CUDA graph's width (one piece)
     memory: ChunkMemory  # a piece's K and V blocks, pages [D, width]
     fetch_memory: ChunkMemory  # the same blocks, pages [D·width/r, r]: rows of r <= FETCH_ENTRIES columns
     fetch_rows: torch.Tensor  # [D·width/r] int32
     columns: torch.Tensor  # [width] int32
     no_outliers: torch.Tensor  # [R, Hkv, O] all -1: the pieces after the first
+
+    @classmethod
+    def over(cls, slots: torch.Tensor, docs: torch.Tensor, width: int, blocks: tuple[torch.Tensor, torch.Tensor],
+             outliers: torch.Tensor) -> "Workspace":
+        """A workspace of `blocks` (K and V: D·width·Hkv blocks each) for documents' chunk slots
+        [D, pieces·width] and requests' documents [R]; outliers [R, Hkv, O] gives the shape of
+        the pieces' none."""
+        dev, num_docs = slots.device, slots.shape[0]
+        pages = torch.arange(num_docs * width, dtype=torch.int32, device=dev)
+        row = min(FETCH_ENTRIES, width)
+        return cls(slots, docs, width, ChunkMemory(*blocks, pages.view(-1, width)),
+                   ChunkMemory(*blocks, pages.view(-1, row)), pages[:pages.numel() // row],
+                   torch.arange(width, dtype=torch.int32, device=dev), torch.full_like(outliers, -1))
+
+
+def documents_of(layouts: list[CompressedLayout]) -> tuple[list[int], list[int]]:
+    """Each request's document among the distinct ones (equal chunks_key: one document), and the
+    first request of each distinct document, in order."""
+    first: dict[tuple, int] = {}
+    rows = [first.setdefault(lay.chunks_key, i) for i, lay in enumerate(layouts)]
+    distinct = sorted(set(rows))
+    return [distinct.index(row) for row in rows], distinct
 
 
 @dataclass
@@ -159,13 +187,16 @@ class SuffixGraphBuffers:
     chunk_slots: torch.Tensor  # [R, max_chunks] int32
     outliers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # [R, Hkv, O] blocks, lo, hi
     budgets: torch.Tensor  # [R]
+    doc_slots: torch.Tensor  # [R, max_chunks] long: an exact step's distinct documents' chunk slots
+    docs: torch.Tensor  # [R] int32: each exact suffix's document (its row of doc_slots)
 
 
 class SuffixPrefill:
     def __init__(self, decoder: SparseDecoder, use_triton: bool):
         self.decoder, self.use_triton = decoder, use_triton
         self.graph: SuffixGraphBuffers | None = None
-        self._static_plans: dict[tuple[int, int, int], SuffixPlan] = {}  # by (requests, tokens, width)
+        self._static_plans: dict[tuple, SuffixPlan] = {}  # by (requests, tokens, width, documents)
+        self._static_blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # exact graph steps' workspace
 
     # ---- once per step ------------------------------------------------------------------------
     def plan(self, table: ReqToTokenPool, reqs: list[SuffixRequest], q_starts: list[int]) -> SuffixPlan:
@@ -211,22 +242,21 @@ class SuffixPrefill:
         """An exact round's workspace, for the requests' chunk slots [R, N] (rows of equal layouts'
         chunks are one document) and outlier blocks [R, Hkv, O], of at most WORKSPACE_BYTES."""
         pool, dev = self.decoder.pool, self.decoder.pool.device
-        first: dict[tuple, int] = {}
-        rows = [first.setdefault(lay.chunks_key, i) for i, lay in enumerate(layouts)]
-        distinct = sorted(set(rows))
-        docs = to_device(torch.tensor([distinct.index(row) for row in rows], dtype=torch.int32), dev)
-        block = pool.blocks_k[0][0]
-        column_bytes = 2 * len(distinct) * pool.num_kv_heads * block.numel() * block.element_size()
-        width = min(triton.next_power_of_2(slots.shape[1]), power_of_two_at_most(WORKSPACE_BYTES // column_bytes))
+        docs, distinct = documents_of(layouts)
+        width = min(triton.next_power_of_2(slots.shape[1]),
+                    power_of_two_at_most(WORKSPACE_BYTES // (len(distinct) * self._column_bytes())))
         doc_slots = slots[to_device(torch.tensor(distinct), dev)].long()
         doc_slots = torch.nn.functional.pad(doc_slots, (0, -doc_slots.shape[1] % width), value=pool.null_slot)
-        blocks = [torch.empty(len(distinct) * width * pool.num_kv_heads, *block.shape, dtype=block.dtype, device=dev)
-                  for _ in range(2)]
-        pages = torch.arange(len(distinct) * width, dtype=torch.int32, device=dev)
-        row = min(FETCH_ENTRIES, width)
-        return Workspace(doc_slots, docs, width, ChunkMemory(*blocks, pages.view(-1, width)),
-                         ChunkMemory(*blocks, pages.view(-1, row)), pages[:pages.numel() // row],
-                         torch.arange(width, dtype=torch.int32, device=dev), torch.full_like(outliers, -1))
+        block = pool.blocks_k[0][0]
+        blocks = tuple(torch.empty(len(distinct) * width * pool.num_kv_heads, *block.shape, dtype=block.dtype,
+                                   device=dev) for _ in range(2))
+        return Workspace.over(doc_slots, to_device(torch.tensor(docs, dtype=torch.int32), dev), width, blocks, outliers)
+
+    def _column_bytes(self) -> int:
+        """Bytes of one chunk column of a document in a workspace: its K and V blocks, every KV head."""
+        pool = self.decoder.pool
+        block = pool.blocks_k[0][0]
+        return 2 * pool.num_kv_heads * block.numel() * block.element_size()
 
     # ---- CUDA-graph steps: suffixes padded to a fixed shape -----------------------------------
     def init_graph_state(self, max_dense_tokens: int, max_outliers: int) -> None:
@@ -241,25 +271,45 @@ class SuffixPrefill:
             ints(r + 1), ints(r * (max_dense_tokens + t)), torch.zeros(r, t, dtype=torch.bool, device=dev),
             ints(r, fill=decoder.dummy_row), ints(r, decoder.max_chunks, fill=decoder.pool.null_slot),
             (ints(r, h, max_outliers, fill=-1), ints(r, h, max_outliers), ints(r, h, max_outliers)),
-            torch.zeros(r, dtype=torch.int64, device=dev))
+            torch.zeros(r, dtype=torch.int64, device=dev),
+            torch.full((r, decoder.max_chunks), decoder.pool.null_slot, dtype=torch.long, device=dev), ints(r))
 
-    def graph_fits(self, reqs: list[SuffixRequest], width: int) -> bool:
-        """Whether the graph buffers hold these requests' plan with `width` chunk columns."""
+    @staticmethod
+    def graph_documents(reqs: list[SuffixRequest]) -> int | None:
+        """The documents an exact graph step of these requests holds: their distinct documents,
+        rounded up to a count of GRAPH_REQUESTS (None: a selecting step)."""
+        if not any(req.exact for req in reqs):
+            return None
+        distinct = len({req.layout.chunks_key for req in reqs})
+        return next(n for n in GRAPH_REQUESTS if n >= distinct)
+
+    def graph_fits(self, reqs: list[SuffixRequest], width: int, documents: int | None = None) -> bool:
+        """Whether the graph buffers hold these requests' plan with `width` chunk columns: selecting
+        suffixes (documents None), or exact ones whose `documents` rebuilt at `width` columns fit
+        in one piece of the step's workspace (WORKSPACE_BYTES), fetched as whole rows."""
         g = self.graph
+        if g is None or len(reqs) > GRAPH_REQUESTS[-1] or width > self.decoder.max_chunks:
+            return False
+        if documents is not None and (documents * width * self._column_bytes() > WORKSPACE_BYTES
+                                      or width % min(FETCH_ENTRIES, width)):
+            return False
         per_request = g.dense_slots.numel() // GRAPH_REQUESTS[-1] - GRAPH_TOKENS[-1]
-        return g is not None and len(reqs) <= GRAPH_REQUESTS[-1] and width <= self.decoder.max_chunks and all(
-            not req.exact and req.layout.num_chunks <= width and req.layout.num_outliers <= g.outliers[0].shape[2]
-            and req.seq_len - req.start <= GRAPH_TOKENS[-1] and req.dense_tokens() <= per_request for req in reqs)
+        return all(req.exact == (documents is not None) and req.layout.num_chunks <= width
+                   and req.layout.num_outliers <= g.outliers[0].shape[2]
+                   and req.seq_len - req.start <= GRAPH_TOKENS[-1] and req.dense_tokens() <= per_request
+                   for req in reqs)
 
     def plan_static(self, table: ReqToTokenPool, reqs: list[SuffixRequest], q_indptr: torch.Tensor, tokens: int,
-                    width: int, padding_row: int) -> SuffixPlan:
+                    width: int, padding_row: int, documents: int | None = None) -> SuffixPlan:
         """The plan of a graph step of suffixes of `tokens` query rows each (q_indptr [R + 1]: the
         graph batch's, i * tokens; sizes from GRAPH_REQUESTS and GRAPH_TOKENS), written into the
         fixed buffers. A suffix's real queries come first; its padding queries come last and
         attend only slots of the reserved page, appended after its keys, so the causal rule keeps
         them invisible to the real ones. Requests past len(reqs) are all padding (a capture:
-        none). The plan's shapes depend only on (R, tokens, width), so every step of that shape
-        replays one graph."""
+        none). An exact step (documents: graph_documents) writes its distinct documents' chunk
+        slots and each suffix's document; its workspace is one buffer every exact graph shares.
+        The plan's shapes depend only on (R, tokens, width, documents), so every step of that
+        shape replays one graph."""
         g, decoder, dev = self.graph, self.decoder, self.decoder.pool.device
         num = q_indptr.numel() - 1
         n_q = [r.seq_len - r.start for r in reqs] + [0] * (num - len(reqs))
@@ -281,15 +331,21 @@ class SuffixPrefill:
         for buf, src, fill in zip(g.outliers, outliers, (-1, 0, 0)):
             copy_padded(buf[:num], src, fill)
         g.budgets[:num].copy_(to_device(torch.tensor(budgets), dev))
-        key = (num, tokens, width)
+        if documents is not None:
+            docs, distinct = documents_of([r.layout for r in reqs])
+            distinct_slots = slots[to_device(torch.tensor(distinct, dtype=torch.long), dev)]
+            copy_padded(g.doc_slots[:documents, :width], distinct_slots, decoder.pool.null_slot)
+            g.docs[:num].copy_(to_device(torch.tensor(docs + [0] * (num - len(reqs)), dtype=torch.int32), dev))
+        key = (num, tokens, width, documents)
         if key not in self._static_plans:
-            self._static_plans[key] = self._static_plan(q_indptr, tokens, width)
+            self._static_plans[key] = self._static_plan(q_indptr, tokens, width, documents)
         return self._static_plans[key]
 
-    def _static_plan(self, q_indptr: torch.Tensor, tokens: int, width: int) -> SuffixPlan:
-        """The plan's tensors for one graph shape: views of the buffers, and constant indices."""
+    def _static_plan(self, q_indptr: torch.Tensor, tokens: int, width: int, documents: int | None) -> SuffixPlan:
+        """The plan's tensors for one graph shape: views of the buffers, and constant indices. An
+        exact step is one round of every query, over a workspace in the shared blocks."""
         g, dev, r = self.graph, self.decoder.pool.device, q_indptr.numel() - 1
-        t = min(TILE, tokens)
+        t = tokens if documents is not None else min(TILE, tokens)
         rounds = []
         for first in range(0, tokens, t):
             q_index = (torch.arange(r, device=dev)[:, None] * tokens + first + torch.arange(t, device=dev))
@@ -297,8 +353,22 @@ class SuffixPrefill:
                                       q_index.flatten()), g.rows[:r], g.chunk_slots[:r, :width],
                                       tuple(o[:r] for o in g.outliers), g.budgets[:r],
                                       self.decoder.cfg.budget_chunks(width)))
+        if documents is not None:
+            rounds[0].workspace = Workspace.over(g.doc_slots[:documents, :width], g.docs[:r], width,
+                                                 self._graph_blocks(documents * width), g.outliers[0][:r])
         return SuffixPlan(torch.arange(r * tokens, device=dev), q_indptr, g.dense_indptr[:r + 1], g.dense_slots,
                           rounds, tokens)
+
+    def _graph_blocks(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V blocks of `columns` document chunk columns in the workspace every exact graph
+        step shares (WORKSPACE_BYTES, taken at the first one: one graph replays at a time)."""
+        pool = self.decoder.pool
+        block = pool.blocks_k[0][0]
+        if self._static_blocks is None:
+            count = WORKSPACE_BYTES // self._column_bytes() * pool.num_kv_heads
+            self._static_blocks = tuple(torch.empty(count, *block.shape, dtype=block.dtype, device=pool.device)
+                                        for _ in range(2))
+        return tuple(b[:columns * pool.num_kv_heads] for b in self._static_blocks)
 
     # ---- per layer ----------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, layer: int, plan: SuffixPlan, kv_pool: PagedKVPool) -> torch.Tensor:
