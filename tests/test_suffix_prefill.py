@@ -127,17 +127,28 @@ def test_exact_questions_together_share_one_rebuild_and_their_kernels_match_the_
     gc.collect()
 
 
-def test_warm_up_runs_a_compression_and_a_suffix_prefill_and_leaves_no_trace(shadow_engine):
-    """The GPU server's warmup (run here on the CPU): every kind of ShadowKV step once, then the
-    cache, the pools and the counters as they were."""
+def test_warm_up_runs_a_compression_and_a_suffix_prefill_and_leaves_no_trace(shadow_engine, monkeypatch):
+    """The GPU server's warmup (run here on the CPU): every kind of ShadowKV step once (a suffix a
+    graph holds and one longer than any: the eager step's kernels), then the cache, the pools and
+    the counters as they were."""
     from sglang_shadowkv.scheduler.warmup import warm_up
+    from sglang_shadowkv.shadowkv import suffix_prefill
 
     shadow_engine.flush_cache()
     sched = shadow_engine.scheduler
     before = dict(sched.stats)
     steps = sched.runner.eager_steps
+    suffixes, plan = [], suffix_prefill.SuffixPrefill.plan
+
+    def record(self, table, reqs, q_starts):
+        suffixes.extend(r.seq_len - r.start for r in reqs)
+        return plan(self, table, reqs, q_starts)
+
+    monkeypatch.setattr(suffix_prefill.SuffixPrefill, "plan", record)
     warm_up(sched)
     assert sched.runner.eager_steps > steps and dict(sched.stats) == before
+    longest = suffix_prefill.GRAPH_TOKENS[-1]
+    assert any(n <= longest for n in suffixes) and any(n > longest for n in suffixes)
     assert_pool_clean(shadow_engine)
     assert_shadow_pools_clean(shadow_engine)
 
