@@ -11,6 +11,9 @@ request's path checked by the engine's counters):
   prefill, sparse decode;
 - `hit`: ShadowKV with the sample's document (the prompt before its question) cached compressed by
   an earlier request: the question's prefill attends the compressed document, then sparse decode.
+  The earlier request holds the document alone (--hit-after document, the default), or the
+  document and another question (--hit-after question: OTHER_QUESTION, long enough that the
+  document is compressed to its last chunk, as a chat's or an agent's next question finds it).
 Per task: RULER's score of each path, and greedy token agreement hit against cold, cold against
 full (equal tokens at equal positions over the longer answer). ShadowKV runs at its defaults with
 compression forced (--shadowkv-compress-policy eager, and --shadowkv-min-context 1024: a 4K sample's
@@ -44,19 +47,26 @@ from sglang_shadowkv.testing.engine_flags import (add_engine_flags, engine_kwarg
 from sglang_shadowkv.testing.ruler import ANSWER_TOKENS, TASKS, make_sample, string_match_all  # noqa: E402
 
 PATHS = ("full", "cold", "hit")
+# the earlier request's question with --hit-after question: longer than the local window, so its
+# compressed span holds the whole document (a shorter one leaves the document's end dense)
+OTHER_QUESTION = ("\nQuestion: Before the question that comes next, describe in a few sentences what the text "
+                  "above is about, which of its parts repeat and which details stand apart from the rest of it, "
+                  "then list the names, numbers and codes it mentions, in the order in which they first "
+                  "appear in the text, without any comment on them, and wait for the next question.")
 MIN_CONTEXT = 1024  # unless --shadowkv-min-context is given
 
 
-def run_path(engine: Engine, path: str, cases: list[dict], params: dict) -> list[dict]:
+def run_path(engine: Engine, path: str, cases: list[dict], params: dict, other: list[int] = ()) -> list[dict]:
     """Every case's answer on one path. full and cold: each case on a flushed cache. hit: each
-    case's document cached by an earlier request first (kept for the next cases that share it)."""
+    case's document cached by an earlier request first (kept for the next cases that share it),
+    the document followed by the tokens `other`."""
     outs, cached = [], None
     for case in cases:
         t0 = time.perf_counter()
         if path != "hit" or case["doc"] != cached:
             engine.flush_cache()
         if path == "hit" and case["doc"] != cached:
-            cache_document(engine, case["doc"])
+            cache_document(engine, case["doc"] + list(other))
             cached = case["doc"]
         out = generate_checked(engine, case["ids"], params, None if path == "full" else path)
         outs.append({"text": out["text"], "output_ids": out["output_ids"],
@@ -70,6 +80,8 @@ def run_task(engines: dict, task: str, length: int, args) -> dict:
     """Every sample of a task at one length on every asked path: rows and their summary."""
     params = {"max_new_tokens": args.max_new_tokens or ANSWER_TOKENS[task], "temperature": 0}
     any_engine = next(iter(engines.values()))  # for the tokenizer and chat template
+    other = any_engine.tokenizer.encode(OTHER_QUESTION, add_special_tokens=False) if args.hit_after == "question" \
+        else []
     cases = []
     for index in range(args.samples):
         sample, ids = make_sample(any_engine, task, length, index, args.seed)
@@ -77,7 +89,8 @@ def run_task(engines: dict, task: str, length: int, args) -> dict:
     answers = {}
     for path in args.paths:
         prompts = tqdm(cases, desc=f"{task} {length} {path}", unit="prompt", leave=False)  # 1-3 minutes a prompt at 8K on a CPU
-        answers[path] = run_path(engines["full" if path == "full" else "shadowkv"], path, prompts, params)
+        engine = engines["full" if path == "full" else "shadowkv"]
+        answers[path] = run_path(engine, path, prompts, params, other)
         print(f"{task} {length} {path}: " + " ".join(f"{a['score']:.2f}" for a in answers[path]), flush=True)
     rows = [{"index": i, "prompt_tokens": len(c["ids"]), "doc_tokens": len(c["doc"]),
              "outputs": list(c["sample"].outputs), **{p: answers[p][i] for p in args.paths}}
@@ -118,7 +131,7 @@ def merge_results(paths: list[str], out: str) -> dict:
     for path in paths:
         with open(path) as f:
             results.append(json.load(f))
-    same = ("model", "device", "dtype", "engine_overrides", "shadowkv_config", "paths", "seed")
+    same = ("model", "device", "dtype", "engine_overrides", "shadowkv_config", "paths", "seed", "hit_after")
     for path, other in zip(paths[1:], results[1:]):
         differ = [k for k in same if other.get(k) != results[0].get(k)]
         if differ:
@@ -139,6 +152,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=12, help="prompts per task and length")
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     ap.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default: RULER's per task)")
+    ap.add_argument("--hit-after", choices=("document", "question"), default="document",
+                    help="the hit path's earlier request: the document alone, or the document and another "
+                         "question (the document compressed to its last chunk)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default="benchmarks/results/ruler.json")
@@ -168,6 +184,7 @@ def main() -> None:
             for task in args.tasks:
                 blocks.append(run_task(engines, task, length, args))
                 result = save_result(args.out, info, overrides, paths=args.paths, seed=args.seed,
+                                     hit_after=args.hit_after,
                                      seconds=round(time.perf_counter() - t0, 1), tasks=blocks)
     finally:
         for engine in engines.values():

@@ -97,6 +97,34 @@ def test_a_lookalike_question_on_its_cached_compressed_memo_answers_as_it_does_c
     assert same["first_token"] == len(prompts) and same["token_agreement"] >= 0.95, same
 
 
+@pytest.mark.parametrize("hit_after", ["document", "question"])
+def test_a_hit_after_another_question_finds_the_document_compressed_to_its_last_chunk(hit_after):
+    """`ruler.py --hit-after`: the hit path's earlier request holds the document alone (compressed
+    but for its last 64 tokens: the local window) or with OTHER_QUESTION after it (compressed to
+    its last whole chunk, as a chat's next question finds it); either way the question is a hit."""
+    from benchmarks.hit_fidelity import question_prefix
+    from benchmarks.ruler import OTHER_QUESTION, run_path
+    from sglang_shadowkv import Engine
+
+    engine = Engine(**ENGINE)
+    try:
+        sample, ids = make_sample(engine, "niah_single_1", LENGTH, 0)
+        doc = question_prefix(engine, ids, sample.question)
+        other = engine.tokenizer.encode(OTHER_QUESTION, add_special_tokens=False) if hit_after == "question" else []
+        reused = engine.get_server_info()["shadowkv"]["compressed_tokens_reused"]
+        (answer,) = run_path(engine, "hit", [{"sample": sample, "ids": ids, "doc": doc}], {"max_new_tokens": 2}, other)
+        reused = engine.get_server_info()["shadowkv"]["compressed_tokens_reused"] - reused
+        cfg = engine.scheduler.cache.compressed.cfg
+        chunk, window = cfg.chunk_size, cfg.local_window
+    finally:
+        engine.shutdown()
+    assert len(answer["output_ids"]) == 2
+    if hit_after == "question":
+        assert len(doc) - chunk < reused <= len(doc)
+    else:
+        assert reused <= len(doc) - window
+
+
 def test_results_of_one_run_split_across_processes_merge_in_task_order(tmp_path):
     """`ruler.py --merge`: the parts' tasks in one file, lengths then RULER's task order; parts run
     with other settings are refused (they are not one run)."""

@@ -65,9 +65,10 @@ class ShadowKVConfig:
                                       "--max-running-requests); each takes its chunk-cache scratch (a page per "
                                       "chunk of the budget's cap) from the KV pool while it runs")
     sparse_prefill_max: int = _field(0, "a prompt suffix over a cached compressed document up to this many tokens "
-                                     "attends the chunks it selects (per 64 queries, a CUDA graph step); a longer "
-                                     "one attends every chunk, rebuilt a layer at a time, none left out as none is in "
-                                     "the same prompt's cold prefill (default 0: every suffix)")
+                                     "attends the chunks it selects (per 64 queries); a longer one attends every "
+                                     "chunk, rebuilt a layer at a time, none left out as none is in the same prompt's "
+                                     "cold prefill (default 0: every suffix; both replay CUDA graphs up to 256 "
+                                     "tokens)")
     rank_cap: int | None = _field(None, "most low-rank dims per layer, also the low-rank pool's width (default: "
                                   "160, scaled up with key dims past 1024)")
     compress_policy: str = _field("tier", "tier: a document stays dense while the GPU holds it and is compressed "
