@@ -22,9 +22,9 @@ def warm_up(scheduler: "Scheduler") -> None:
     its prefill whatever the policy), then a question of two 64-query tiles over it (the sparse
     suffix prefill, from a CUDA graph) and its sparse decode, and a turn longer than any suffix
     graph (an eager suffix step: on the H200 a chat's first such turn at 16K took 300 ms, most of
-    it compiling, against 90 ms once compiled). The cache, the counters and ShadowKV's measured rates
-    (its steps compile kernels: they measure nothing of serving) are left as they were. Every
-    tensor-parallel rank runs the same steps."""
+    it compiling, against 100 ms once compiled). The cache, the counters and ShadowKV's measured
+    rates (its steps compile kernels: they measure nothing of serving) are left as they were.
+    Every tensor-parallel rank runs the same steps."""
     saved = [(counters, counters.as_dict()) for counters in [*scheduler.counter_sets, scheduler.step_clock]]
     rates, saved_rates = scheduler.cache.rates, copy.deepcopy(scheduler.cache.rates)
     vocab, context = scheduler.vocab_size, scheduler.context_length
