@@ -43,6 +43,18 @@ def with_static_decode(engine, max_bs: int):
     return engine.scheduler.runner.graphs
 
 
+def plain_and_graphed(engine_args: dict):
+    """A fixture's two engines: one stepping plainly (no overlap), one over the graph buffers."""
+    from sglang_shadowkv import Engine
+
+    plain = Engine(**engine_args, disable_overlap_schedule=True)
+    graphed = Engine(**engine_args)
+    with_static_decode(graphed, 4)
+    yield plain, graphed
+    plain.shutdown()
+    graphed.shutdown()
+
+
 def test_graph_batch_sizes_cover_every_batch():
     sizes = graph_batch_sizes(40)
     assert sizes == [1, 2, 4, 8, 12, 16, 24, 32, 40]
@@ -122,14 +134,7 @@ def test_the_torch_backend_is_never_captured(dense_pair):
 
 @pytest.fixture(scope="module")
 def dense_pair():
-    from sglang_shadowkv import Engine
-
-    kwargs = dict(max_total_tokens=8192, chunked_prefill_size=256, max_running_requests=8)
-    plain, graphed = Engine(**kwargs, disable_overlap_schedule=True), Engine(**kwargs)
-    with_static_decode(graphed, 4)
-    yield plain, graphed
-    plain.shutdown()
-    graphed.shutdown()
+    yield from plain_and_graphed(dict(max_total_tokens=8192, chunked_prefill_size=256, max_running_requests=8))
 
 
 def test_full_attention_graph_steps_give_the_eager_tokens(dense_pair):
@@ -181,15 +186,7 @@ def test_padding_entries_touch_only_the_reserved_page(dense_pair):
 
 @pytest.fixture(scope="module")
 def shadow_pair():
-    from sglang_shadowkv import Engine
-
-    selecting = dict(SHADOW_ENGINE, shadowkv_sparse_prefill_max=2048)  # suffixes select: their graphs
-    plain = Engine(**selecting, disable_overlap_schedule=True)
-    graphed = Engine(**selecting)
-    with_static_decode(graphed, 4)
-    yield plain, graphed
-    plain.shutdown()
-    graphed.shutdown()
+    yield from plain_and_graphed(dict(SHADOW_ENGINE, shadowkv_sparse_prefill_max=2048))  # suffixes select
 
 
 def test_startup_runs_each_selection_compile_class_once_plain_with_a_long_window_and_as_suffixes(shadow_pair,
@@ -375,14 +372,7 @@ def test_a_turn_longer_than_a_suffix_graph_replays_it_in_whole_tile_chunks_with_
 @pytest.fixture(scope="module")
 def exact_pair():
     """Engines at the default shadowkv_sparse_prefill_max 0: every suffix attends every chunk."""
-    from sglang_shadowkv import Engine
-
-    plain = Engine(**SHADOW_ENGINE, disable_overlap_schedule=True)
-    graphed = Engine(**SHADOW_ENGINE)
-    with_static_decode(graphed, 4)
-    yield plain, graphed
-    plain.shutdown()
-    graphed.shutdown()
+    yield from plain_and_graphed(SHADOW_ENGINE)
 
 
 def test_exact_suffixes_replay_a_graph_per_documents_and_give_the_eager_tokens(exact_pair, monkeypatch):

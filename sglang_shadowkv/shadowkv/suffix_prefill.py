@@ -247,10 +247,16 @@ class SuffixPrefill:
                     power_of_two_at_most(WORKSPACE_BYTES // (len(distinct) * self._column_bytes())))
         doc_slots = slots[to_device(torch.tensor(distinct), dev)].long()
         doc_slots = torch.nn.functional.pad(doc_slots, (0, -doc_slots.shape[1] % width), value=pool.null_slot)
+        return Workspace.over(doc_slots, to_device(torch.tensor(docs, dtype=torch.int32), dev), width,
+                              self._new_blocks(len(distinct) * width), outliers)
+
+    def _new_blocks(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh K and V blocks for `columns` document chunk columns, every KV head (the pool's block
+        shape and dtype)."""
+        pool = self.decoder.pool
         block = pool.blocks_k[0][0]
-        blocks = tuple(torch.empty(len(distinct) * width * pool.num_kv_heads, *block.shape, dtype=block.dtype,
-                                   device=dev) for _ in range(2))
-        return Workspace.over(doc_slots, to_device(torch.tensor(docs, dtype=torch.int32), dev), width, blocks, outliers)
+        return tuple(torch.empty(columns * pool.num_kv_heads, *block.shape, dtype=block.dtype, device=pool.device)
+                     for _ in range(2))
 
     def _column_bytes(self) -> int:
         """Bytes of one chunk column of a document in a workspace: its K and V blocks, every KV head."""
@@ -280,7 +286,7 @@ class SuffixPrefill:
         rounded up to a count of GRAPH_REQUESTS (None: a selecting step)."""
         if not any(req.exact for req in reqs):
             return None
-        distinct = len({req.layout.chunks_key for req in reqs})
+        distinct = len(documents_of([req.layout for req in reqs])[1])
         return next(n for n in GRAPH_REQUESTS if n >= distinct)
 
     def graph_fits(self, reqs: list[SuffixRequest], width: int, documents: int | None = None) -> bool:
@@ -362,13 +368,9 @@ class SuffixPrefill:
     def _graph_blocks(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V blocks of `columns` document chunk columns in the workspace every exact graph
         step shares (WORKSPACE_BYTES, taken at the first one: one graph replays at a time)."""
-        pool = self.decoder.pool
-        block = pool.blocks_k[0][0]
         if self._static_blocks is None:
-            count = WORKSPACE_BYTES // self._column_bytes() * pool.num_kv_heads
-            self._static_blocks = tuple(torch.empty(count, *block.shape, dtype=block.dtype, device=pool.device)
-                                        for _ in range(2))
-        return tuple(b[:columns * pool.num_kv_heads] for b in self._static_blocks)
+            self._static_blocks = self._new_blocks(WORKSPACE_BYTES // self._column_bytes())
+        return tuple(b[:columns * self.decoder.pool.num_kv_heads] for b in self._static_blocks)
 
     # ---- per layer ----------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, layer: int, plan: SuffixPlan, kv_pool: PagedKVPool) -> torch.Tensor:
