@@ -14,8 +14,12 @@ request's path checked by the engine's counters):
   The earlier request holds the document alone (--hit-after document, the default), or the
   document and another question (--hit-after question: OTHER_QUESTION, long enough that the
   document is compressed to its last chunk, as a chat's or an agent's next question finds it).
+- `full_hit` (asked for by --paths): full attention with the sample's document in its radix cache,
+  dense, from an earlier request. Nothing is approximated; only the prefill is split, so the sums
+  run in another order. Its agreement with `full` is the floor of the token metric: how far an
+  exact engine's long greedy answers part over rounding alone, at near ties of the model.
 Per task: RULER's score of each path, and greedy token agreement hit against cold, cold against
-full (equal tokens at equal positions over the longer answer). ShadowKV runs at its defaults with
+full, full_hit against full (equal tokens at equal positions over the longer answer). ShadowKV runs at its defaults with
 compression forced (--shadowkv-compress-policy eager, and --shadowkv-min-context 1024: a 4K sample's
 document is shorter than the default 4096, unless given); any ShadowKV setting is a flag.
 
@@ -24,9 +28,11 @@ document is shorter than the default 4096, unless given); any ShadowKV setting i
     python benchmarks/ruler.py --paths hit --shadowkv-rank 192      # one path under another setting
     python benchmarks/ruler.py --table benchmarks/results/ruler_cpu.json   # the table of a result
     python benchmarks/ruler.py --merge a.json b.json --out all.json  # runs of the same settings, one file
+    python benchmarks/ruler.py --first-sample 6 --samples 6 ...      # a task's second half (merge joins halves)
 
-Writes JSON (every answer, its path and score; per task and length the summaries) after every
-task, so a long run keeps what it has done; prints a table.
+Writes compact JSON (every answer's tokens, path and score; per task and length the summaries)
+after every task, so a long run keeps what it has done; prints a table. `--merge` of one file
+rewrites an older result in that form.
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ from sglang_shadowkv.testing.engine_flags import (add_engine_flags, engine_kwarg
                                                   save_result)
 from sglang_shadowkv.testing.ruler import ANSWER_TOKENS, TASKS, make_sample, string_match_all  # noqa: E402
 
-PATHS = ("full", "cold", "hit")
+PATHS = ("full", "cold", "hit", "full_hit")
+DEFAULT_PATHS = ("full", "cold", "hit")
+AGREEMENTS = (("hit", "cold"), ("cold", "full"), ("hit", "full"), ("full_hit", "full"))
 # the earlier request's question with --hit-after question: longer than the local window, so its
 # compressed span holds the whole document (a shorter one leaves the document's end dense)
 OTHER_QUESTION = ("\nQuestion: Before the question that comes next, describe in a few sentences what the text "
@@ -58,17 +66,25 @@ MIN_CONTEXT = 1024  # unless --shadowkv-min-context is given
 
 def run_path(engine: Engine, path: str, cases: list[dict], params: dict, other: list[int] = ()) -> list[dict]:
     """Every case's answer on one path. full and cold: each case on a flushed cache. hit: each
-    case's document cached by an earlier request first (kept for the next cases that share it),
-    the document followed by the tokens `other`."""
+    case's document cached compressed by an earlier request first (kept for the next cases that
+    share it), the document followed by the tokens `other`. full_hit: the same on a full-attention
+    engine, the document cached dense (checked by the answer's cached tokens)."""
     outs, cached = [], None
+    hit = path in ("hit", "full_hit")
     for case in cases:
         t0 = time.perf_counter()
-        if path != "hit" or case["doc"] != cached:
+        if not hit or case["doc"] != cached:
             engine.flush_cache()
-        if path == "hit" and case["doc"] != cached:
-            cache_document(engine, case["doc"] + list(other))
+        if hit and case["doc"] != cached:
+            if path == "hit":
+                cache_document(engine, case["doc"] + list(other))
+            else:
+                engine.generate(input_ids=case["doc"], sampling_params={"max_new_tokens": 0})
             cached = case["doc"]
-        out = generate_checked(engine, case["ids"], params, None if path == "full" else path)
+        out = generate_checked(engine, case["ids"], params, path if path in ("cold", "hit") else None)
+        if path == "full_hit" and out["meta_info"]["cached_tokens"] < len(case["doc"]) // 2:
+            raise RuntimeError(f"a full_hit request found {out['meta_info']['cached_tokens']} of its document's "
+                               f"{len(case['doc'])} tokens cached")
         outs.append({"text": out["text"], "output_ids": out["output_ids"],
                      "score": string_match_all(out["text"], case["sample"].outputs),
                      "seconds": round(time.perf_counter() - t0, 1)})
@@ -83,16 +99,17 @@ def run_task(engines: dict, task: str, length: int, args) -> dict:
     other = any_engine.tokenizer.encode(OTHER_QUESTION, add_special_tokens=False) if args.hit_after == "question" \
         else []
     cases = []
-    for index in range(args.samples):
+    for index in range(args.first_sample, args.first_sample + args.samples):
         sample, ids = make_sample(any_engine, task, length, index, args.seed)
-        cases.append({"sample": sample, "ids": ids, "doc": question_prefix(any_engine, ids, sample.question)})
+        cases.append({"index": index, "sample": sample, "ids": ids,
+                      "doc": question_prefix(any_engine, ids, sample.question)})
     answers = {}
     for path in args.paths:
         prompts = tqdm(cases, desc=f"{task} {length} {path}", unit="prompt", leave=False)  # 1-3 minutes a prompt at 8K on a CPU
-        engine = engines["full" if path == "full" else "shadowkv"]
+        engine = engines["shadowkv" if path in ("cold", "hit") else "full"]
         answers[path] = run_path(engine, path, prompts, params, other)
         print(f"{task} {length} {path}: " + " ".join(f"{a['score']:.2f}" for a in answers[path]), flush=True)
-    rows = [{"index": i, "prompt_tokens": len(c["ids"]), "doc_tokens": len(c["doc"]),
+    rows = [{"index": c["index"], "prompt_tokens": len(c["ids"]), "doc_tokens": len(c["doc"]),
              "outputs": list(c["sample"].outputs), **{p: answers[p][i] for p in args.paths}}
             for i, c in enumerate(cases)]
     summary = summarize(rows, args.paths)
@@ -106,7 +123,7 @@ def summarize(rows: list[dict], paths) -> dict:
     out = {"samples": len(rows),
            "score": {p: round(100 * sum(r[p]["score"] for r in rows) / len(rows), 2) for p in paths},
            "answers": {p: round(sum(r[p]["score"] for r in rows), 2) for p in paths}}
-    for a, b in (("hit", "cold"), ("cold", "full"), ("hit", "full")):
+    for a, b in AGREEMENTS:
         if a in paths and b in paths:
             out[f"{a}_vs_{b}"] = agreement([r[a]["output_ids"] for r in rows], [r[b]["output_ids"] for r in rows])
     return out
@@ -114,19 +131,66 @@ def summarize(rows: list[dict], paths) -> dict:
 
 def print_table(result: dict) -> None:
     paths = result["paths"]
-    print(f"\n{'task':<16} {'len':>5} {'n':>3} " + " ".join(f"{p:>6}" for p in paths)
-          + f" {'hit=cold':>9} {'cold=full':>10}")
+    pairs = [(a, b) for a, b in AGREEMENTS if a in paths and b in paths and (a, b) != ("hit", "full")]
+    print(f"\n{'task':<16} {'len':>5} {'n':>3} " + " ".join(f"{p:>8}" for p in paths)
+          + "".join(f" {a + '=' + b:>13}" for a, b in pairs))
     for block in result["tasks"]:
         s = block["summary"]
-        agree = [f"{s[k]['token_agreement']:>{w}.3f}" if k in s else f"{'':>{w}}"
-                 for k, w in (("hit_vs_cold", 9), ("cold_vs_full", 10))]
+        agree = [f"{s[f'{a}_vs_{b}']['token_agreement']:>13.3f}" for a, b in pairs]
         print(f"{block['task']:<16} {block['length']:>5} {s['samples']:>3} "
-              + " ".join(f"{s['score'][p]:>6.1f}" for p in paths) + " " + " ".join(agree))
+              + " ".join(f"{s['score'][p]:>8.1f}" for p in paths) + " " + " ".join(agree))
     print(f"(RULER's score, percent; agreement: greedy tokens equal at equal positions) {result['seconds']} s")
 
 
+def stored_rows(rows: list[dict], paths) -> list[dict]:
+    """Rows as the JSON keeps them: without the answers' texts (their output_ids decode to them),
+    and an answer equal to an earlier path's as {"same_as": that path}, since most hit answers
+    equal the cold ones: the committed files shrank to 0.5-0.8 of their size."""
+    stored = []
+    for row in rows:
+        row, seen = dict(row), {}
+        for path in paths:
+            answer = {k: v for k, v in row[path].items() if k != "text"}
+            ids = tuple(answer["output_ids"])
+            if ids in seen:
+                answer["output_ids"] = {"same_as": seen[ids]}
+            seen.setdefault(ids, path)
+            row[path] = answer
+        stored.append(row)
+    return stored
+
+
+def loaded_rows(rows: list[dict], paths) -> list[dict]:
+    """The rows of a JSON file with every answer's output_ids written out (see stored_rows)."""
+    loaded = []
+    for row in rows:
+        row = dict(row)
+        for path in paths:
+            ids = row[path]["output_ids"]
+            if isinstance(ids, dict):
+                row[path] = {**row[path], "output_ids": row[ids["same_as"]]["output_ids"]}
+        loaded.append(row)
+    return loaded
+
+
+def stored_blocks(blocks: list[dict], paths) -> list[dict]:
+    return [{**b, "rows": stored_rows(b["rows"], paths)} if "rows" in b else b for b in blocks]
+
+
+def join_samples(blocks: list[dict], paths) -> dict:
+    """One task and length's block from parts that each ran some of its samples."""
+    if len(blocks) == 1:
+        return blocks[0]
+    rows = sorted((row for b in blocks for row in b["rows"]), key=lambda row: row["index"])
+    indices = [row["index"] for row in rows]
+    if len(set(indices)) != len(indices):
+        raise SystemExit(f"{blocks[0]['task']} at {blocks[0]['length']}: a sample is in two parts")
+    return {**blocks[0], "summary": summarize(rows, paths), "rows": rows}
+
+
 def merge_results(paths: list[str], out: str) -> dict:
-    """One result from runs that split the tasks between them: their settings must agree."""
+    """One result from runs that split the tasks, or a task's samples, between them: their
+    settings must agree; the parts of one task and length are joined in sample order."""
     results = []
     for path in paths:
         with open(path) as f:
@@ -136,11 +200,17 @@ def merge_results(paths: list[str], out: str) -> dict:
         differ = [k for k in same if other.get(k) != results[0].get(k)]
         if differ:
             raise SystemExit(f"{path} differs from {paths[0]} in {', '.join(differ)}: not one run's parts")
-    blocks = sorted((b for r in results for b in r["tasks"]), key=lambda b: (b["length"], TASKS.index(b["task"])))
-    merged = {**results[0], "seconds": max(r["seconds"] for r in results), "tasks": blocks,
-              "merged_from": len(results)}
+    parts: dict[tuple, list[dict]] = {}
+    for block in (b for r in results for b in r["tasks"]):
+        if "rows" in block:
+            block = {**block, "rows": loaded_rows(block["rows"], results[0]["paths"])}
+        parts.setdefault((block["length"], TASKS.index(block["task"])), []).append(block)
+    blocks = [join_samples(parts[key], results[0]["paths"]) for key in sorted(parts)]
+    merged = {**results[0], "seconds": max(r["seconds"] for r in results),
+              "tasks": stored_blocks(blocks, results[0]["paths"]),
+              "merged_from": sum(r.get("merged_from", 1) for r in results)}
     with open(out, "w") as f:
-        json.dump(merged, f, indent=1)
+        json.dump(merged, f, separators=(",", ":"))
     return merged
 
 
@@ -150,7 +220,10 @@ def main() -> None:
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     ap.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192], help="prompt + answer tokens")
     ap.add_argument("--samples", type=int, default=12, help="prompts per task and length")
-    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    ap.add_argument("--first-sample", type=int, default=0,
+                    help="the first sample's index: a task's samples split between processes (--merge joins them)")
+    ap.add_argument("--paths", nargs="+", default=list(DEFAULT_PATHS), choices=PATHS,
+                    help="the paths each sample is answered on (full_hit: the token metric's floor)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default: RULER's per task)")
     ap.add_argument("--hit-after", choices=("document", "question"), default="document",
                     help="the hit path's earlier request: the document alone, or the document and another "
@@ -175,7 +248,7 @@ def main() -> None:
     t0 = time.perf_counter()
     engines = {}
     try:
-        if "full" in args.paths:
+        if {"full", "full_hit"} & set(args.paths):
             engines["full"] = Engine(attention="full", **common)
         engines["shadowkv"] = Engine(attention="shadowkv", **common, **overrides)  # its config goes in the JSON
         info = engines["shadowkv"].get_server_info()
@@ -185,7 +258,8 @@ def main() -> None:
                 blocks.append(run_task(engines, task, length, args))
                 result = save_result(args.out, info, overrides, paths=args.paths, seed=args.seed,
                                      hit_after=args.hit_after,
-                                     seconds=round(time.perf_counter() - t0, 1), tasks=blocks)
+                                     seconds=round(time.perf_counter() - t0, 1),
+                                     tasks=stored_blocks(blocks, args.paths), indent=None)
     finally:
         for engine in engines.values():
             engine.shutdown()

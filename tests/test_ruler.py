@@ -147,3 +147,57 @@ def test_results_of_one_run_split_across_processes_merge_in_task_order(tmp_path)
     other = part("c.json", [("cwe", 4096)], 10.0, dtype="bfloat16")
     with pytest.raises(SystemExit, match="dtype"):
         merge_results([a, other], str(tmp_path / "bad.json"))
+
+
+def test_a_full_hit_answers_as_full_attention_does_over_the_document_cached_dense(engine):
+    """`ruler.py --paths full_hit`, the token metric's floor: the document cached dense by an earlier
+    request (run_path checks the cached tokens), and the answer equal to full attention's."""
+    from benchmarks.hit_fidelity import question_prefix
+    from benchmarks.ruler import run_path
+
+    sample, ids = make_sample(engine, "niah_single_1", LENGTH, 0)
+    case = {"sample": sample, "ids": ids, "doc": question_prefix(engine, ids, sample.question)}
+    (full,) = run_path(engine, "full", [case], {"max_new_tokens": 6, "temperature": 0})
+    (full_hit,) = run_path(engine, "full_hit", [case], {"max_new_tokens": 6, "temperature": 0})
+    assert len(full["output_ids"]) == 6 and full_hit["output_ids"] == full["output_ids"]
+
+
+def test_stored_rows_drop_texts_and_repeat_no_answer_yet_load_back_whole():
+    """A result keeps each distinct answer once: an answer equal to an earlier path's is a reference."""
+    from benchmarks.ruler import loaded_rows, stored_rows
+
+    paths = ["full", "cold", "hit"]
+    rows = [{"index": 0, "full": {"text": "a", "output_ids": [1, 2], "score": 1.0},
+             "cold": {"text": "b", "output_ids": [1, 3], "score": 0.0},
+             "hit": {"text": "b", "output_ids": [1, 3], "score": 0.0}}]
+    stored = stored_rows(rows, paths)
+    assert stored[0]["hit"]["output_ids"] == {"same_as": "cold"} and stored[0]["cold"]["output_ids"] == [1, 3]
+    assert all("text" not in stored[0][p] for p in paths) and "text" in rows[0]["full"]  # the rows untouched
+    assert loaded_rows(stored, paths) == [{**rows[0], **{p: {k: v for k, v in rows[0][p].items() if k != "text"}
+                                                         for p in paths}}]
+
+
+def test_a_task_split_by_samples_across_processes_merges_into_one_task(tmp_path):
+    """`ruler.py --first-sample`: a task's halves join in sample order, their summary taken over
+    all samples; a sample in two parts is refused."""
+    from benchmarks.ruler import merge_results
+
+    def part(name, indices):
+        rows = [{"index": i, "full": {"output_ids": [i, 1], "score": 1.0},
+                 "cold": {"output_ids": [i, 1 + i % 2], "score": 0.5}} for i in indices]
+        result = {"model": "m", "device": "cpu", "dtype": "float32", "engine_overrides": {}, "shadowkv_config": {},
+                  "paths": ["full", "cold"], "seed": 0, "seconds": 1.0,
+                  "tasks": [{"task": "vt", "length": 4096, "summary": {}, "rows": rows}]}
+        path = tmp_path / name
+        path.write_text(json.dumps(result))
+        return str(path)
+
+    merged = merge_results([part("b.json", [2, 3]), part("a.json", [0, 1])], str(tmp_path / "all.json"))
+    (block,) = merged["tasks"]
+    assert [r["index"] for r in block["rows"]] == [0, 1, 2, 3]
+    assert block["summary"]["answers"] == {"full": 4.0, "cold": 2.0}
+    assert block["summary"]["cold_vs_full"]["same_answers"] == 2
+    assert json.loads((tmp_path / "all.json").read_text())["tasks"][0]["rows"][0]["cold"]["output_ids"] == {
+        "same_as": "full"}
+    with pytest.raises(SystemExit, match="two parts"):
+        merge_results([part("a.json", [0, 1]), part("c.json", [1, 2])], str(tmp_path / "bad.json"))

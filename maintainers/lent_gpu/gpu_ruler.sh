@@ -8,15 +8,22 @@
 #   call 2:  bash maintainers/lent_gpu/gpu_ruler.sh DTYPE [LENGTH...]   carry [".gguf-part2", ".whl-srv"]
 #            (DTYPE float32 or bfloat16; lengths default 4096 8192; PART_TIMEOUT=S: seconds a part may
 #            run, default 560, for a call with less device time left; TASK_GROUPS="a b;c": other task
-#            groups, one process each)
+#            groups, one process each; SAMPLE_SPLIT=N: each group's 12 samples split over N processes;
+#            PATHS="full full_hit": other paths than ruler.py's default)
+# On a two-GPU machine both dtypes run at once, one GPU each (the GGUF joined first, so that the
+# two runs don't both join it):
+#   . maintainers/lent_gpu/embedded_gguf.sh && embedded_gguf && \
+#   CUDA_VISIBLE_DEVICES=0 bash maintainers/lent_gpu/gpu_ruler.sh float32 8192 & \
+#   CUDA_VISIBLE_DEVICES=1 bash maintainers/lent_gpu/gpu_ruler.sh bfloat16 8192; wait
 # -> $OUT/ruler_gpu_fp32.json or ruler_gpu_bf16.json (the parts merged: a task cut off by the time
-# limit is missing) and ruler_parts.tar.gz (every part and log: a call returns at most 8 files).
+# limit is missing) and ruler_parts_fp32.tar.gz or _bf16 (every part and log: a call returns at
+# most 8 files).
 # 2026-11-27 on an H200, 16 processes (both dtypes at once) finished 1-2 tasks each in 560 s: about
 # 4-6 minutes a task at 4K with four processes per length and dtype beside each other.
 set -u
 cd "$(dirname "$0")/../.." || exit 1  # the repository root
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/srv .whl-srv/*.whl 2>/dev/null
+[ -d /tmp/srv ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/srv .whl-srv/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/srv:.
 . maintainers/lent_gpu/embedded_gguf.sh
 model=$(embedded_gguf) || exit 1
@@ -26,18 +33,23 @@ groups=("niah_single_1 niah_single_2 lookalike" "niah_single_3 niah_multikey_1 v
 dtype=${1:?"DTYPE: float32 or bfloat16"}
 lengths=("${@:2}")
 [ ${#lengths[@]} -eq 0 ] && lengths=(4096 8192)
-parts=/tmp/ruler_parts
+short=$([ "$dtype" = float32 ] && echo fp32 || echo bf16)
+parts=/tmp/ruler_parts_$short
 rm -rf "$parts" && mkdir -p "$parts"
+split=${SAMPLE_SPLIT:-1}
+per_part=$(( (12 + split - 1) / split ))
 for length in "${lengths[@]}"; do
   for i in "${!groups[@]}"; do
-    # shellcheck disable=SC2086
-    timeout "${PART_TIMEOUT:-560}" python3 benchmarks/ruler.py --model-path "$model" --attention-backend torch --dtype "$dtype" \
-      --lengths "$length" --tasks ${groups[$i]} --shadowkv-host-mem-fraction 0.02 \
-      --out "$parts/part_${length}_$i.json" > "$parts/part_${length}_$i.log" 2>&1 &
+    for ((s = 0; s < split; s++)); do
+      # shellcheck disable=SC2086
+      timeout "${PART_TIMEOUT:-560}" python3 benchmarks/ruler.py --model-path "$model" --attention-backend torch \
+        --dtype "$dtype" --lengths "$length" --tasks ${groups[$i]} --shadowkv-host-mem-fraction 0.02 \
+        --first-sample $((s * per_part)) --samples "$per_part" ${PATHS:+--paths $PATHS} \
+        --out "$parts/part_${length}_${i}_$s.json" > "$parts/part_${length}_${i}_$s.log" 2>&1 &
+    done
   done
 done
 wait
-short=$([ "$dtype" = float32 ] && echo fp32 || echo bf16)
 python3 benchmarks/ruler.py --merge "$parts"/part_*.json --out "$OUT/ruler_gpu_$short.json"
-tar -czf "$OUT/ruler_parts.tar.gz" -C "$parts" .
+tar -czf "$OUT/ruler_parts_$short.tar.gz" -C "$parts" .
 grep -h "Error" "$parts"/part_*.log | sort | uniq -c | head

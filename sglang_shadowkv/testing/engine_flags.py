@@ -50,14 +50,15 @@ def engine_kwargs(args: argparse.Namespace, max_total_tokens: int, max_running_r
                 max_total_tokens=max_total_tokens, chunked_prefill_size=2048)
 
 
-def save_result(path: str, info: dict, overrides: dict, **fields) -> dict:
+def save_result(path: str, info: dict, overrides: dict, indent: int | None = 1, **fields) -> dict:
     """Write an accuracy result as JSON under its provenance (model, device, dtype, the flags set,
-    the ShadowKV config the engine ran: from its get_server_info()); returns it."""
+    the ShadowKV config the engine ran: from its get_server_info()); returns it. indent=None: one
+    line, for results of many token lists."""
     result = {"model": info["model_path"], "device": info["device"], "dtype": info["dtype"],
               "engine_overrides": overrides, "shadowkv_config": info["shadowkv"]["config"], **fields}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(result, f, indent=indent, separators=None if indent else (",", ":"))
     return result
 
 
