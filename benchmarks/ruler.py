@@ -13,7 +13,9 @@ request's path checked by the engine's counters):
   an earlier request: the question's prefill attends the compressed document, then sparse decode.
   The earlier request holds the document alone (--hit-after document, the default), or the
   document and another question (--hit-after question: OTHER_QUESTION, long enough that the
-  document is compressed to its last chunk, as a chat's or an agent's next question finds it).
+  document is compressed to its last chunk, as a chat's or an agent's next question finds it), or
+  the whole prompt (--hit-after prompt, the same question asked again: the hit then holds the
+  very compressed form the cold path made, and only its last tokens are prefilled again).
 - `full_hit` (asked for by --paths): full attention with the sample's document in its radix cache,
   dense, from an earlier request. Nothing is approximated; only the prefill is split, so the sums
   run in another order. Its agreement with `full` is the floor of the token metric: how far an
@@ -64,23 +66,24 @@ OTHER_QUESTION = ("\nQuestion: Before the question that comes next, describe in 
 MIN_CONTEXT = 1024  # unless --shadowkv-min-context is given
 
 
-def run_path(engine: Engine, path: str, cases: list[dict], params: dict, other: list[int] = ()) -> list[dict]:
+def run_path(engine: Engine, path: str, cases: list[dict], params: dict) -> list[dict]:
     """Every case's answer on one path. full and cold: each case on a flushed cache. hit: each
     case's document cached compressed by an earlier request first (kept for the next cases that
-    share it), the document followed by the tokens `other`. full_hit: the same on a full-attention
-    engine, the document cached dense (checked by the answer's cached tokens)."""
+    share it): the case's `earlier` tokens, by default its document. full_hit: the same on a
+    full-attention engine, the document cached dense (checked by the answer's cached tokens)."""
     outs, cached = [], None
     hit = path in ("hit", "full_hit")
     for case in cases:
         t0 = time.perf_counter()
-        if not hit or case["doc"] != cached:
+        earlier = case.get("earlier", case["doc"]) if path == "hit" else case["doc"]
+        if not hit or earlier != cached:
             engine.flush_cache()
-        if hit and case["doc"] != cached:
+        if hit and earlier != cached:
             if path == "hit":
-                cache_document(engine, case["doc"] + list(other))
+                cache_document(engine, earlier)
             else:
-                engine.generate(input_ids=case["doc"], sampling_params={"max_new_tokens": 0})
-            cached = case["doc"]
+                engine.generate(input_ids=earlier, sampling_params={"max_new_tokens": 0})
+            cached = earlier
         out = generate_checked(engine, case["ids"], params, path if path in ("cold", "hit") else None)
         if path == "full_hit" and out["meta_info"]["cached_tokens"] < len(case["doc"]) // 2:
             raise RuntimeError(f"a full_hit request found {out['meta_info']['cached_tokens']} of its document's "
@@ -96,18 +99,18 @@ def run_task(engines: dict, task: str, length: int, args) -> dict:
     """Every sample of a task at one length on every asked path: rows and their summary."""
     params = {"max_new_tokens": args.max_new_tokens or ANSWER_TOKENS[task], "temperature": 0}
     any_engine = next(iter(engines.values()))  # for the tokenizer and chat template
-    other = any_engine.tokenizer.encode(OTHER_QUESTION, add_special_tokens=False) if args.hit_after == "question" \
-        else []
+    other = any_engine.tokenizer.encode(OTHER_QUESTION, add_special_tokens=False)
     cases = []
     for index in range(args.first_sample, args.first_sample + args.samples):
         sample, ids = make_sample(any_engine, task, length, index, args.seed)
-        cases.append({"index": index, "sample": sample, "ids": ids,
-                      "doc": question_prefix(any_engine, ids, sample.question)})
+        doc = question_prefix(any_engine, ids, sample.question)
+        earlier = {"document": doc, "question": doc + other, "prompt": ids}[args.hit_after]
+        cases.append({"index": index, "sample": sample, "ids": ids, "doc": doc, "earlier": earlier})
     answers = {}
     for path in args.paths:
         prompts = tqdm(cases, desc=f"{task} {length} {path}", unit="prompt", leave=False)  # 1-3 minutes a prompt at 8K on a CPU
         engine = engines["shadowkv" if path in ("cold", "hit") else "full"]
-        answers[path] = run_path(engine, path, prompts, params, other)
+        answers[path] = run_path(engine, path, prompts, params)
         print(f"{task} {length} {path}: " + " ".join(f"{a['score']:.2f}" for a in answers[path]), flush=True)
     rows = [{"index": c["index"], "prompt_tokens": len(c["ids"]), "doc_tokens": len(c["doc"]),
              "outputs": list(c["sample"].outputs), **{p: answers[p][i] for p in args.paths}}
@@ -225,9 +228,10 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=list(DEFAULT_PATHS), choices=PATHS,
                     help="the paths each sample is answered on (full_hit: the token metric's floor)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default: RULER's per task)")
-    ap.add_argument("--hit-after", choices=("document", "question"), default="document",
-                    help="the hit path's earlier request: the document alone, or the document and another "
-                         "question (the document compressed to its last chunk)")
+    ap.add_argument("--hit-after", choices=("document", "question", "prompt"), default="document",
+                    help="the hit path's earlier request: the document alone, the document and another "
+                         "question (the document compressed to its last chunk), or the prompt itself (the "
+                         "cold path's compressed form)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default="benchmarks/results/ruler.json")

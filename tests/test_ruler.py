@@ -97,11 +97,12 @@ def test_a_lookalike_question_on_its_cached_compressed_memo_answers_as_it_does_c
     assert same["first_token"] == len(prompts) and same["token_agreement"] >= 0.95, same
 
 
-@pytest.mark.parametrize("hit_after", ["document", "question"])
-def test_a_hit_after_another_question_finds_the_document_compressed_to_its_last_chunk(hit_after):
+@pytest.mark.parametrize("hit_after", ["document", "question", "prompt"])
+def test_each_earlier_request_of_the_hit_path_leaves_its_own_compressed_span(hit_after):
     """`ruler.py --hit-after`: the hit path's earlier request holds the document alone (compressed
-    but for its last 64 tokens: the local window) or with OTHER_QUESTION after it (compressed to
-    its last whole chunk, as a chat's next question finds it); either way the question is a hit."""
+    but for its last 64 tokens: the local window), with OTHER_QUESTION after it (compressed to its
+    last whole chunk, as a chat's next question finds it), or the prompt itself (compressed but for
+    the window, as the cold path compresses it); either way the question is a hit."""
     from benchmarks.hit_fidelity import question_prefix
     from benchmarks.ruler import OTHER_QUESTION, run_path
     from sglang_shadowkv import Engine
@@ -110,9 +111,11 @@ def test_a_hit_after_another_question_finds_the_document_compressed_to_its_last_
     try:
         sample, ids = make_sample(engine, "niah_single_1", LENGTH, 0)
         doc = question_prefix(engine, ids, sample.question)
-        other = engine.tokenizer.encode(OTHER_QUESTION, add_special_tokens=False) if hit_after == "question" else []
+        other = engine.tokenizer.encode(OTHER_QUESTION, add_special_tokens=False)
+        earlier = {"document": doc, "question": doc + other, "prompt": ids}[hit_after]
         reused = engine.get_server_info()["shadowkv"]["compressed_tokens_reused"]
-        (answer,) = run_path(engine, "hit", [{"sample": sample, "ids": ids, "doc": doc}], {"max_new_tokens": 2}, other)
+        case = {"sample": sample, "ids": ids, "doc": doc, "earlier": earlier}
+        (answer,) = run_path(engine, "hit", [case], {"max_new_tokens": 2})
         reused = engine.get_server_info()["shadowkv"]["compressed_tokens_reused"] - reused
         cfg = engine.scheduler.cache.compressed.cfg
         chunk, window = cfg.chunk_size, cfg.local_window
@@ -121,6 +124,8 @@ def test_a_hit_after_another_question_finds_the_document_compressed_to_its_last_
     assert len(answer["output_ids"]) == 2
     if hit_after == "question":
         assert len(doc) - chunk < reused <= len(doc)
+    elif hit_after == "prompt":
+        assert len(ids) - window - chunk < reused <= len(ids) - window
     else:
         assert reused <= len(doc) - window
 
