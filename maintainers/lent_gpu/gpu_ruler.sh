@@ -19,7 +19,9 @@
 # limit is missing) and ruler_parts_fp32.tar.gz or _bf16 (every part and log: a call returns at
 # most 8 files).
 # 2026-11-27 on an H200, 16 processes (both dtypes at once) finished 1-2 tasks each in 560 s: about
-# 4-6 minutes a task at 4K with four processes per length and dtype beside each other.
+# 4-6 minutes a task at 4K with four processes per length and dtype beside each other. 2026-11-28 on
+# two H200s, a dtype each: at 8K, 12 processes a GPU (one task each) finished 6 tasks in 565 s; the
+# other 6 with SAMPLE_SPLIT=2 (12 processes a GPU) took 426-433 s.
 set -u
 cd "$(dirname "$0")/../.." || exit 1  # the repository root
 mkdir -p "$OUT"
@@ -41,10 +43,13 @@ per_part=$(( (12 + split - 1) / split ))
 for length in "${lengths[@]}"; do
   for i in "${!groups[@]}"; do
     for ((s = 0; s < split; s++)); do
+      first=$((s * per_part))
+      count=$((12 - first < per_part ? 12 - first : per_part))
+      [ "$count" -gt 0 ] || continue
       # shellcheck disable=SC2086
       timeout "${PART_TIMEOUT:-560}" python3 benchmarks/ruler.py --model-path "$model" --attention-backend torch \
         --dtype "$dtype" --lengths "$length" --tasks ${groups[$i]} --shadowkv-host-mem-fraction 0.02 \
-        --first-sample $((s * per_part)) --samples "$per_part" ${PATHS:+--paths $PATHS} \
+        --first-sample "$first" --samples "$count" ${PATHS:+--paths $PATHS} \
         --out "$parts/part_${length}_${i}_$s.json" > "$parts/part_${length}_${i}_$s.log" 2>&1 &
     done
   done
