@@ -130,18 +130,23 @@ def test_each_earlier_request_of_the_hit_path_leaves_its_own_compressed_span(hit
         assert reused <= len(doc) - window
 
 
+def result_part(path, tasks: list[dict], **fields) -> str:
+    """A part of a ruler.py run written to `path`: its task blocks under a provenance that `fields`
+    may change (a part with other settings is not of the same run)."""
+    result = {"model": "m", "device": "cuda", "dtype": "float32", "engine_overrides": {}, "shadowkv_config": {},
+              "paths": ["full", "cold", "hit"], "seed": 0, "seconds": 1.0, "tasks": tasks, **fields}
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
 def test_results_of_one_run_split_across_processes_merge_in_task_order(tmp_path):
     """`ruler.py --merge`: the parts' tasks in one file, lengths then RULER's task order; parts run
     with other settings are refused (they are not one run)."""
     from benchmarks.ruler import merge_results
 
     def part(name, tasks, seconds, **settings):
-        result = {"model": "m", "device": "cuda", "dtype": "float32", "engine_overrides": {}, "shadowkv_config": {},
-                  "paths": ["full", "cold", "hit"], "seed": 0, "seconds": seconds,
-                  "tasks": [{"task": t, "length": n, "summary": {}} for t, n in tasks], **settings}
-        path = tmp_path / name
-        path.write_text(json.dumps(result))
-        return str(path)
+        return result_part(tmp_path / name, [{"task": t, "length": n, "summary": {}} for t, n in tasks],
+                           seconds=seconds, **settings)
 
     a = part("a.json", [("lookalike", 8192), ("vt", 4096)], 30.0)
     b = part("b.json", [("niah_single_1", 4096), ("niah_single_1", 8192)], 50.0)
@@ -190,12 +195,8 @@ def test_a_task_split_by_samples_across_processes_merges_into_one_task(tmp_path)
     def part(name, indices):
         rows = [{"index": i, "full": {"output_ids": [i, 1], "score": 1.0},
                  "cold": {"output_ids": [i, 1 + i % 2], "score": 0.5}} for i in indices]
-        result = {"model": "m", "device": "cpu", "dtype": "float32", "engine_overrides": {}, "shadowkv_config": {},
-                  "paths": ["full", "cold"], "seed": 0, "seconds": 1.0,
-                  "tasks": [{"task": "vt", "length": 4096, "summary": {}, "rows": rows}]}
-        path = tmp_path / name
-        path.write_text(json.dumps(result))
-        return str(path)
+        return result_part(tmp_path / name, [{"task": "vt", "length": 4096, "summary": {}, "rows": rows}],
+                           device="cpu", paths=["full", "cold"])
 
     merged = merge_results([part("b.json", [2, 3]), part("a.json", [0, 1])], str(tmp_path / "all.json"))
     (block,) = merged["tasks"]
