@@ -30,6 +30,8 @@ document is shorter than the default 4096, unless given); any ShadowKV setting i
     python benchmarks/ruler.py --paths hit --shadowkv-rank 192      # one path under another setting
     python benchmarks/ruler.py --table benchmarks/results/ruler_cpu.json   # the table of a result
     python benchmarks/ruler.py --merge a.json b.json --out all.json  # runs of the same settings, one file
+    python benchmarks/ruler.py --merge old.json --paths full --out full.json   # a run's full answers alone
+    python benchmarks/ruler.py --merge full.json cold_hit.json --out all.json  # joined to another run's
     python benchmarks/ruler.py --first-sample 6 --samples 6 ...      # a task's second half (merge joins halves)
 
 Writes compact JSON (every answer's tokens, path and score; per task and length the summaries)
@@ -180,37 +182,83 @@ def stored_blocks(blocks: list[dict], paths) -> list[dict]:
     return [{**b, "rows": stored_rows(b["rows"], paths)} if "rows" in b else b for b in blocks]
 
 
-def join_samples(blocks: list[dict], paths) -> dict:
-    """One task and length's block from parts that each ran some of its samples."""
-    if len(blocks) == 1:
+def join_parts(blocks: list[dict], paths) -> dict:
+    """One task and length's block from parts that each ran some of its samples, or some of its
+    paths (every sample must end with an answer on each path, from one part only)."""
+    if len(blocks) == 1 and "rows" not in blocks[0]:
         return blocks[0]
-    rows = sorted((row for b in blocks for row in b["rows"]), key=lambda row: row["index"])
-    indices = [row["index"] for row in rows]
-    if len(set(indices)) != len(indices):
-        raise SystemExit(f"{blocks[0]['task']} at {blocks[0]['length']}: a sample is in two parts")
+    where = f"{blocks[0]['task']} at {blocks[0]['length']}"
+    if any("rows" not in b for b in blocks):
+        raise SystemExit(f"{where}: a part keeps its summary only, not its answers, so it joins no other")
+    joined: dict[int, dict] = {}
+    for row in (row for b in blocks for row in b["rows"]):
+        prompt = {k: v for k, v in row.items() if k not in PATHS}  # index, lengths, expected values
+        have = joined.setdefault(row["index"], dict(prompt))
+        if prompt != {k: v for k, v in have.items() if k not in PATHS}:
+            raise SystemExit(f"{where}: sample {row['index']} is another prompt in another part")
+        for path in (p for p in PATHS if p in row):
+            if path in have:
+                raise SystemExit(f"{where}: sample {row['index']}'s {path} answer is in two parts")
+            have[path] = row[path]
+    rows = [joined[i] for i in sorted(joined)]
+    lacking = sorted({p for row in rows for p in paths if p not in row})
+    if lacking:
+        raise SystemExit(f"{where}: some samples have no {', '.join(lacking)} answer in any part")
     return {**blocks[0], "summary": summarize(rows, paths), "rows": rows}
 
 
-def merge_results(paths: list[str], out: str) -> dict:
-    """One result from runs that split the tasks, or a task's samples, between them: their
-    settings must agree; the parts of one task and length are joined in sample order."""
+# how much host memory a run pinned: not a setting its answers depend on (too little raises)
+CAPACITY_SETTINGS = ("host_mem_fraction", "shadowkv_host_mem_fraction")
+
+
+def answer_settings(value):
+    """A provenance field as far as the answers depend on it: settings without the capacities."""
+    if isinstance(value, dict):
+        return {k: v for k, v in value.items() if k not in CAPACITY_SETTINGS}
+    return value
+
+
+def only_paths(result: dict, keep) -> dict:
+    """A result with the answers of the paths in `keep` only."""
+    blocks = [{**b, "rows": [{k: v for k, v in row.items() if k not in PATHS or k in keep}
+                             for row in loaded_rows(b["rows"], result["paths"])]} if "rows" in b else b
+              for b in result["tasks"]]
+    return {**result, "paths": [p for p in result["paths"] if p in keep], "tasks": blocks}
+
+
+def merge_results(paths: list[str], out: str, keep=None, tasks=TASKS) -> dict:
+    """One result from runs that split the tasks, a task's samples, or the paths between them:
+    their settings must agree, but for those that don't touch a part's answers (the ShadowKV
+    settings to a part of full-attention paths only, the hit's earlier request to one without the
+    hit path), so that a path run again under new settings joins the other paths of an earlier
+    run. The parts of one task and length are joined in sample order. keep: the paths to keep
+    (default: every path of a part); tasks: the tasks to keep."""
     results = []
     for path in paths:
         with open(path) as f:
-            results.append(json.load(f))
-    same = ("model", "device", "dtype", "engine_overrides", "shadowkv_config", "paths", "seed", "hit_after")
-    for path, other in zip(paths[1:], results[1:]):
-        differ = [k for k in same if other.get(k) != results[0].get(k)]
+            results.append(only_paths(json.load(f), keep) if keep else json.load(f))
+    base = next((r for r in results if "hit" in r["paths"]),
+                next((r for r in results if "cold" in r["paths"]), results[0]))
+    for path, other in zip(paths, results):
+        same = ("model", "device", "dtype", "seed")
+        if {"cold", "hit"} & set(other["paths"]):
+            same += ("engine_overrides", "shadowkv_config")
+        if "hit" in other["paths"]:
+            same += ("hit_after",)
+        differ = [k for k in same if answer_settings(other.get(k)) != answer_settings(base.get(k))]
         if differ:
-            raise SystemExit(f"{path} differs from {paths[0]} in {', '.join(differ)}: not one run's parts")
+            raise SystemExit(f"{path} differs from {paths[results.index(base)]} in {', '.join(differ)}: "
+                             "not one run's parts")
+    all_paths = [p for p in PATHS if any(p in r["paths"] for r in results)]
     parts: dict[tuple, list[dict]] = {}
-    for block in (b for r in results for b in r["tasks"]):
-        if "rows" in block:
-            block = {**block, "rows": loaded_rows(block["rows"], results[0]["paths"])}
-        parts.setdefault((block["length"], TASKS.index(block["task"])), []).append(block)
-    blocks = [join_samples(parts[key], results[0]["paths"]) for key in sorted(parts)]
-    merged = {**results[0], "seconds": max(r["seconds"] for r in results),
-              "tasks": stored_blocks(blocks, results[0]["paths"]),
+    for result in results:
+        for block in (b for b in result["tasks"] if b["task"] in tasks):
+            if "rows" in block:
+                block = {**block, "rows": loaded_rows(block["rows"], result["paths"])}
+            parts.setdefault((block["length"], TASKS.index(block["task"])), []).append(block)
+    blocks = [join_parts(parts[key], all_paths) for key in sorted(parts)]
+    merged = {**base, "paths": all_paths, "seconds": max(r["seconds"] for r in results),
+              "tasks": stored_blocks(blocks, all_paths),
               "merged_from": sum(r.get("merged_from", 1) for r in results)}
     with open(out, "w") as f:
         json.dump(merged, f, separators=(",", ":"))
@@ -220,13 +268,15 @@ def merge_results(paths: list[str], out: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(ap)
-    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS,
+                    help="the tasks to run (with --merge, to keep; default: all)")
     ap.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192], help="prompt + answer tokens")
     ap.add_argument("--samples", type=int, default=12, help="prompts per task and length")
     ap.add_argument("--first-sample", type=int, default=0,
                     help="the first sample's index: a task's samples split between processes (--merge joins them)")
-    ap.add_argument("--paths", nargs="+", default=list(DEFAULT_PATHS), choices=PATHS,
-                    help="the paths each sample is answered on (full_hit: the token metric's floor)")
+    ap.add_argument("--paths", nargs="+", choices=PATHS,
+                    help="the paths each sample is answered on (default: full cold hit; full_hit: the token "
+                         "metric's floor); with --merge, the paths kept (default: all)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default: RULER's per task)")
     ap.add_argument("--hit-after", choices=("document", "question", "prompt"), default="document",
                     help="the hit path's earlier request: the document alone, the document and another "
@@ -237,15 +287,17 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/ruler.json")
     ap.add_argument("--table", metavar="JSON", help="print the table of an earlier result and exit")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="write the tasks of several results (the same "
-                    "model, device, dtype and settings: runs split across processes) to --out and exit")
+                    "model, device, dtype and settings: runs split across processes, or a ShadowKV path "
+                    "run again beside an earlier run's full answers) to --out and exit")
     args = ap.parse_args()
     if args.table:
         with open(args.table) as f:
             print_table(json.load(f))
         return
     if args.merge:
-        print_table(merge_results(args.merge, args.out))
+        print_table(merge_results(args.merge, args.out, keep=args.paths, tasks=args.tasks))
         return
+    args.paths = args.paths or list(DEFAULT_PATHS)
     # a 4K sample's document is under the default shadowkv_min_context (4096): compress it anyway
     overrides = {"shadowkv_min_context": MIN_CONTEXT, **engine_overrides(args)}
     common = engine_kwargs(args, 3 * max(args.lengths))

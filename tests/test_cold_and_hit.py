@@ -6,9 +6,10 @@ or prefilled the turn's suffix over the compressed document beside them, and the
 from benchmarks.cold_and_hit import _decode_steps, _first_token_beside_decodes
 from sglang_shadowkv import Engine
 
+# (spans to their last whole chunk, span grid 8: the documents are a few hundred tokens)
 TINY = dict(attention="shadowkv", shadowkv_compress_policy="eager", shadowkv_min_context=256,
-            shadowkv_local_window=16, shadowkv_rank_cap=8, shadowkv_outliers=2, shadowkv_max_budget=32,
-            shadowkv_min_budget_chunks=8, chunked_prefill_size=256, check_integrity=True)
+            shadowkv_local_window=16, shadowkv_span_grid=8, shadowkv_rank_cap=8, shadowkv_outliers=2,
+            shadowkv_max_budget=32, shadowkv_min_budget_chunks=8, chunked_prefill_size=256, check_integrity=True)
 
 
 def test_a_cold_document_beside_decodes_is_timed_and_its_compressing_step_labelled(tiny_model_path):

@@ -141,11 +141,11 @@ def test_shadowkv_mode_takes_the_host_tier_too(tiny_model_path):
 
 
 # ShadowKV with every document compressed at its prefill and the host tier on (test_tiering's small
-# compressed form)
-PARKING = dict(attention="shadowkv", shadowkv_min_context=256, shadowkv_local_window=16, shadowkv_rank_cap=8,
-               shadowkv_outliers=2, shadowkv_max_budget=32, shadowkv_min_budget_chunks=8, chunked_prefill_size=256,
-               shadowkv_host_tokens=8192, shadowkv_compress_policy="eager", check_integrity=True,
-               enable_hierarchical_cache=True)
+# compressed form, spans to their last whole chunk)
+PARKING = dict(attention="shadowkv", shadowkv_min_context=256, shadowkv_local_window=16, shadowkv_span_grid=8,
+               shadowkv_rank_cap=8, shadowkv_outliers=2, shadowkv_max_budget=32, shadowkv_min_budget_chunks=8,
+               chunked_prefill_size=256, shadowkv_host_tokens=8192, shadowkv_compress_policy="eager",
+               check_integrity=True, enable_hierarchical_cache=True)
 
 
 def test_compressed_documents_parked_in_the_host_tier_come_back_as_they_were(tiny_model_path):

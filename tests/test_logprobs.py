@@ -110,7 +110,7 @@ def test_bad_logprob_fields_name_the_field(engine, kwargs, field):
 def test_prompt_logprobs_through_shadowkv(engine, hf_model):
     """A prompt compressed in its own prefill, and a suffix over that compressed prefix (rank =
     key dims: the restored keys are exact), give transformers' prompt logprobs."""
-    args = ServerArgs(attention="shadowkv", shadowkv_min_context=512, shadowkv_rank=192,
+    args = ServerArgs(attention="shadowkv", shadowkv_min_context=512, shadowkv_rank=192, shadowkv_span_grid=8,
                       shadowkv_host_tokens=4096, max_total_tokens=8192, chunked_prefill_size=512,
                       shadowkv_compress_policy="eager", check_integrity=True)
     sched = Scheduler(args, ModelRunner(args, loaded=engine.scheduler.runner.loaded))

@@ -56,7 +56,8 @@ def test_request_metrics_count_every_token_and_request(small_server):
 
 def test_shadowkv_metrics_follow_server_info(tiny_model_path):
     with Engine(model_path=tiny_model_path, attention="shadowkv", max_total_tokens=4096,
-                shadowkv_min_context=64, shadowkv_local_window=16, shadowkv_compress_policy="eager") as engine:
+                shadowkv_min_context=64, shadowkv_local_window=16, shadowkv_span_grid=8,
+                shadowkv_compress_policy="eager") as engine:
         doc = " ".join(f"t{i % 500 + 2}" for i in range(100))
         engine.generate(doc, {"max_new_tokens": 4})
         engine.generate(doc + " t3", {"max_new_tokens": 4})

@@ -102,12 +102,13 @@ def test_each_earlier_request_of_the_hit_path_leaves_its_own_compressed_span(hit
     """`ruler.py --hit-after`: the hit path's earlier request holds the document alone (compressed
     but for its last 64 tokens: the local window), with OTHER_QUESTION after it (compressed to its
     last whole chunk, as a chat's next question finds it), or the prompt itself (compressed but for
-    the window, as the cold path compresses it); either way the question is a hit."""
+    the window, as the cold path compresses it); either way the question is a hit. Spans to the
+    last whole chunk (span grid 8): at the default grid all three end on the same line here."""
     from benchmarks.hit_fidelity import question_prefix
     from benchmarks.ruler import OTHER_QUESTION, run_path
     from sglang_shadowkv import Engine
 
-    engine = Engine(**ENGINE)
+    engine = Engine(**ENGINE, shadowkv_span_grid=8)
     try:
         sample, ids = make_sample(engine, "niah_single_1", LENGTH, 0)
         doc = question_prefix(engine, ids, sample.question)
@@ -207,3 +208,47 @@ def test_a_task_split_by_samples_across_processes_merges_into_one_task(tmp_path)
         "same_as": "full"}
     with pytest.raises(SystemExit, match="two parts"):
         merge_results([part("a.json", [0, 1]), part("c.json", [1, 2])], str(tmp_path / "bad.json"))
+
+
+def test_a_shadowkv_path_run_again_joins_an_earlier_runs_full_answers(tmp_path):
+    """`ruler.py --merge full.json cold_hit.json`: the ShadowKV paths of a run under new ShadowKV
+    settings join the full answers of an earlier run (which those settings don't touch; `--paths
+    full` takes them from that run's file) per sample, as a hit after another earlier request joins
+    the cold answers, whatever host memory each run pinned; other model settings, another prompt
+    or a path no part answers are refused."""
+    from benchmarks.ruler import merge_results
+
+    def part(name, paths, indices=(0, 1), **settings):
+        rows = [{"index": i, "prompt_tokens": 100 + i, "outputs": ["7"],
+                 **{p: {"output_ids": [i, p == "full"], "score": float(p == "full")} for p in paths}}
+                for i in indices]
+        return result_part(tmp_path / name, [{"task": "vt", "length": 4096, "summary": {}, "rows": rows}],
+                           paths=paths, **settings)
+
+    earlier = part("earlier.json", ["full", "cold", "hit"], shadowkv_config={"span_grid": 8})
+    full = merge_results([earlier], str(tmp_path / "full.json"), keep=["full"])  # its full answers only
+    assert full["paths"] == ["full"] and set(full["tasks"][0]["rows"][0]) == {"index", "prompt_tokens", "outputs",
+                                                                            "full"}
+    cold_hit = part("cold_hit.json", ["cold", "hit"], shadowkv_config={"span_grid": 512, "host_mem_fraction": 0.1})
+    full = str(tmp_path / "full.json")
+    merged = merge_results([full, cold_hit], str(tmp_path / "all.json"))
+    assert merged["paths"] == ["full", "cold", "hit"] and merged["shadowkv_config"]["span_grid"] == 512
+    (block,) = merged["tasks"]
+    assert block["summary"]["answers"] == {"full": 2.0, "cold": 0.0, "hit": 0.0}
+    assert block["summary"]["hit_vs_cold"]["token_agreement"] == 1.0
+    assert block["summary"]["cold_vs_full"]["token_agreement"] == 0.5  # [i, 0] against [i, 1]
+    # a hit path with another earlier request joins a cold path run with less pinned memory
+    hit = part("hit.json", ["hit"], shadowkv_config={"span_grid": 512, "host_mem_fraction": 0.2}, hit_after="prompt")
+    cold = merge_results([cold_hit], str(tmp_path / "cold.json"), keep=["cold"])
+    assert merge_results([str(tmp_path / "cold.json"), hit], str(tmp_path / "x.json"))["hit_after"] == "prompt"
+    assert cold["paths"] == ["cold"]
+    other_prompt = [{"index": 0, "prompt_tokens": 5, "outputs": ["7"], "full": {"output_ids": [0], "score": 1.0}}]
+    bad = {"dtype": part("bf16.json", ["full"], dtype="bfloat16"),
+           "another prompt": result_part(tmp_path / "other.json", [{"task": "vt", "length": 4096, "summary": {},
+                                                                   "rows": other_prompt}], paths=["full"]),
+           "no full answer": part("half.json", ["full"], indices=(0,)),
+           "two parts": full}
+    for why, other in bad.items():
+        with pytest.raises(SystemExit, match=why):
+            merge_results([other, cold_hit] + ([full] if why == "two parts" else []), str(tmp_path / "bad.json"))
+

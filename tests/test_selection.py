@@ -171,8 +171,10 @@ def test_engine_report_agrees_with_the_decode_path(engine):
     from tests.test_shadowkv import long_prompt
 
     ids = long_prompt(engine.tokenizer, 800, 7)
+    # one prefill for both; spans to the last chunk (span grid 8): the default grid's 512 tokens of
+    # 800 leave 32 chunks past the outliers, the budget's floor, so every one is selected
     rep, fixed = engine.shadowkv_report(input_ids=ids, num_queries=1, settings=[
-        {"min_context": 512}, {"min_context": 512, "rank": 32, "budget": 0.05}])  # one prefill for both
+        {"min_context": 512, "span_grid": 8}, {"min_context": 512, "span_grid": 8, "rank": 32, "budget": 0.05}])
     assert rep["compressed_tokens"] == (800 - 64) // 8 * 8 and len(rep["layers"]) == 30
     assert all(1 <= r <= 160 for r in rep["ranks"]) and len(set(rep["ranks"])) > 1  # the energy rule, per layer
     for lay in rep["layers"]:

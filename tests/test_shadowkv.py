@@ -159,15 +159,20 @@ def test_landmarks_and_outliers():
 
 
 def test_config_sizes_and_errors():
-    cfg = ShadowKVConfig(min_context=100, local_window=10, chunk_size=8, budget=0.1, min_budget_chunks=4)
+    cfg = ShadowKVConfig(min_context=100, local_window=10, chunk_size=8, budget=0.1, min_budget_chunks=4,
+                         span_grid=1)
     assert cfg.compressed_len(99, 8) == 0
     assert cfg.compressed_len(131, 8) == 120 and cfg.compressed_len(131, 16) == 112
+    grid = ShadowKVConfig(min_context=100, local_window=10, span_grid=48)  # spans end on the grid, window kept
+    assert grid.compressed_len(131, 8) == 96 and grid.compressed_len(105, 8) == 48 and grid.compressed_len(105, 32) == 0
+    assert ShadowKVConfig().span_grid == 512
     assert cfg.budget_chunks(20) == 4 and cfg.budget_chunks(100) == 10 and cfg.budget_chunks(3) == 3
     default = ShadowKVConfig()  # the energy rule's cap: the paper's 160, scaled up past 1024 key dims
     assert default.max_rank(1024) == 160 and default.max_rank(192) == 160 and default.max_rank(2048) == 320
     assert default.max_rank(96) == 96
     for kwargs, name in [({"budget": 0}, "shadowkv_budget"), ({"rank": -1}, "shadowkv_rank"),
                          ({"lowrank_method": "qr"}, "shadowkv_lowrank_method"),
+                         ({"span_grid": 0}, "shadowkv_span_grid"),
                          ({"rank_energy": 1.5}, "shadowkv_rank_energy"),
                          ({"value_dtype": "fp4"}, "shadowkv_value_dtype"),
                          ({"landmark_dtype": "fp8"}, "shadowkv_landmark_dtype")]:
@@ -182,6 +187,12 @@ def test_config_sizes_and_errors():
 SHADOW_ENGINE = dict(attention="shadowkv", max_total_tokens=16384, chunked_prefill_size=512,
                      shadowkv_min_context=512, shadowkv_host_tokens=4096, shadowkv_max_budget=64,
                      shadowkv_compress_policy="eager", check_integrity=True)
+
+
+def grid_span(prompt_tokens: int) -> int:
+    """Tokens of a prompt SHADOW_ENGINE compresses at its prefill: to the span grid's last line
+    before the local window."""
+    return ShadowKVConfig(min_context=512).compressed_len(prompt_tokens, 8)
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +235,7 @@ def test_compressed_decode_follows_full_attention(shadow_engine, engine):
         got = shadow_engine.generate(input_ids=ids, sampling_params=GREEDY)
         want = engine.generate(input_ids=ids, sampling_params=GREEDY)
         info = got["meta_info"]["shadowkv"]
-        assert info["compressed_tokens"] == (1200 - 64) // 8 * 8
+        assert info["compressed_tokens"] == grid_span(1200) == 1024  # the window kept, on the span grid
         # at 1.2K tokens the fixed per-request scratch (budget + window) outweighs the saving, so
         # check the stored state: compressed + dense is smaller than a full cache, and adds up.
         assert info["gpu_compressed_bytes"] + info["dense_kv_bytes"] < info["full_kv_bytes"]
@@ -368,15 +379,18 @@ def test_a_compressed_document_is_shared_by_later_requests(shadow_engine):
     before = counters(shadow_engine)
     shared = shadow_engine.generate(input_ids=doc + questions[1], sampling_params=sampling)
     after = counters(shadow_engine)
-    span = (1200 + len(questions[0]) - 64) // 8 * 8
     assert shared["meta_info"]["cached_tokens"] == 1200  # the document: compressed chunks + dense tail
-    assert shared["meta_info"]["shadowkv"]["compressed_tokens"] == span
+    assert shared["meta_info"]["shadowkv"]["compressed_tokens"] == grid_span(1200 + len(questions[0]))
     assert after["compressions"] == before["compressions"]  # nothing compressed again
     assert after["compressed_prefix_hits"] == before["compressed_prefix_hits"] + 1
     assert after["prefill_tokens"] - before["prefill_tokens"] == len(questions[1])
     assert_pool_clean(shadow_engine)
     assert_shadow_pools_clean(shadow_engine)  # flushes
     alone = shadow_engine.generate(input_ids=doc + questions[1], sampling_params=sampling)
+    # the span grid: both compressed the document's first 1024 tokens, so one form (the ranks the
+    # energy rule read from the same keys), though each compressed its own question's prompt
+    assert alone["meta_info"]["shadowkv"]["compressed_tokens"] == 1024
+    assert shared["meta_info"]["shadowkv"]["ranks"] == alone["meta_info"]["shadowkv"]["ranks"]
     agree = sum(a == b for a, b in zip(shared["output_ids"], alone["output_ids"])) / 24
     assert agree >= 0.95, (shared["text"], alone["text"])
 
@@ -430,9 +444,10 @@ def test_requests_arriving_together_compress_a_shared_document_once(shadow_engin
     after = counters(shadow_engine)
     assert after["compressions"] - before["compressions"] == 1
     assert after["compressed_prefix_hits"] - before["compressed_prefix_hits"] == 3
-    compressed_end = (1200 + len(questions[0]) - 64) // 8 * 8  # the first request's compressed chunks
+    compressed_end = grid_span(1200 + len(questions[0]))  # the first request's compressed chunks
     assert all(o["meta_info"]["cached_tokens"] == compressed_end for o in outs[1:])
-    assert after["prefill_tokens"] - before["prefill_tokens"] < 1200 + 4 * 100
+    # the document once, but for its dense end past the span, prefilled by each later one
+    assert after["prefill_tokens"] - before["prefill_tokens"] < 1200 + 3 * (1200 - compressed_end) + 4 * 100
     assert_pool_clean(shadow_engine)
     assert_shadow_pools_clean(shadow_engine)
 
@@ -445,15 +460,16 @@ def test_a_long_dense_tail_becomes_a_second_segment(shadow_engine):
     out = shadow_engine.generate(input_ids=first, sampling_params={"max_new_tokens": 4, "temperature": 0})
     second = first + out["output_ids"] + long_message
     before = counters(shadow_engine)
-    # the answer takes its dense tail (the message and what it generates) past 512 tokens
-    out = shadow_engine.generate(input_ids=second, sampling_params={"max_new_tokens": 48, "temperature": 0,
+    # the answer takes its dense tail (the message and what it generates) past 512 tokens and a grid
+    # step past the local window
+    out = shadow_engine.generate(input_ids=second, sampling_params={"max_new_tokens": 112, "temperature": 0,
                                                                     "ignore_eos": True})
     assert out["meta_info"]["shadowkv"]["segments"] == 1  # the document; its own part stayed dense
     assert counters(shadow_engine)["tail_compressions"] == before["tail_compressions"] + 1
     third = second + out["output_ids"] + questions[1]
     out = shadow_engine.generate(input_ids=third, sampling_params={"max_new_tokens": 8, "temperature": 0})
     info = out["meta_info"]["shadowkv"]
-    assert info["segments"] == 2 and info["compressed_tokens"] > 1200 + 400
+    assert info["segments"] == 2 and info["compressed_tokens"] == grid_span(len(first)) + 512
     assert_pool_clean(shadow_engine)
     assert_shadow_pools_clean(shadow_engine)
 

@@ -14,9 +14,10 @@ from sglang_shadowkv.scheduler.compressed_tier import EAGER_SHARE
 from cache_ops import OPS, run_ops
 
 DOC_TOKENS = 600
-TIER = dict(attention="shadowkv", shadowkv_min_context=256, shadowkv_local_window=16, shadowkv_rank_cap=8,
-            shadowkv_outliers=2, shadowkv_max_budget=32, shadowkv_min_budget_chunks=8, chunked_prefill_size=256,
-            check_integrity=True)
+# a small compressed form for small documents (spans to their last whole chunk: span grid 8)
+TIER = dict(attention="shadowkv", shadowkv_min_context=256, shadowkv_local_window=16, shadowkv_span_grid=8,
+            shadowkv_rank_cap=8, shadowkv_outliers=2, shadowkv_max_budget=32, shadowkv_min_budget_chunks=8,
+            chunked_prefill_size=256, check_integrity=True)
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
 
 

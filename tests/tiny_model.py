@@ -4,9 +4,12 @@ transformers' own modeling code, and of the engine's plumbing (process lifecycle
 
 from pathlib import Path
 
-# ShadowKV on a tiny model: compression forced at the first prefill of a prompt of 512 tokens or more
+# ShadowKV on a tiny model: compression forced at the first prefill of a prompt of 512 tokens or more,
+# its span to its last whole chunk before the window (span grid 8: these prompts are shorter than
+# the default grid's 512 tokens plus the window)
 SHADOWKV = dict(attention="shadowkv", max_total_tokens=16384, chunked_prefill_size=512, shadowkv_min_context=512,
-                shadowkv_host_tokens=4096, shadowkv_max_budget=64, shadowkv_compress_policy="eager")
+                shadowkv_span_grid=8, shadowkv_host_tokens=4096, shadowkv_max_budget=64,
+                shadowkv_compress_policy="eager")
 
 # every family the engine loads: 2 layers, 4 heads of 16 dims over 2 KV heads
 FAMILIES = ("llama", "yi", "qwen2", "qwen2.5-yarn", "qwen3", "glm", "glm4", "phi3")

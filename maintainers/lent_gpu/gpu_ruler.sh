@@ -9,7 +9,10 @@
 #            (DTYPE float32 or bfloat16; lengths default 4096 8192; PART_TIMEOUT=S: seconds a part may
 #            run, default 560, for a call with less device time left; TASK_GROUPS="a b;c": other task
 #            groups, one process each; SAMPLE_SPLIT=N: each group's 12 samples split over N processes;
-#            PATHS="full full_hit": other paths than ruler.py's default)
+#            PATHS="full full_hit": other paths than ruler.py's default; HIT_AFTER=prompt: ruler.py's
+#            --hit-after; RUN_TAG=_x: a suffix to the parts directory and output names, for two runs of
+#            one dtype at once; HOST_MEM_FRACTION: each process's pinned share of host memory, default
+#            0.02: on four H200s (512 GiB) 72 processes at 0.02 ran out of memory, none finished a task)
 # On a two-GPU machine both dtypes run at once, one GPU each (the GGUF joined first, so that the
 # two runs don't both join it):
 #   . maintainers/lent_gpu/embedded_gguf.sh && embedded_gguf && \
@@ -35,7 +38,7 @@ groups=("niah_single_1 niah_single_2 lookalike" "niah_single_3 niah_multikey_1 v
 dtype=${1:?"DTYPE: float32 or bfloat16"}
 lengths=("${@:2}")
 [ ${#lengths[@]} -eq 0 ] && lengths=(4096 8192)
-short=$([ "$dtype" = float32 ] && echo fp32 || echo bf16)
+short=$([ "$dtype" = float32 ] && echo fp32 || echo bf16)${RUN_TAG:-}
 parts=/tmp/ruler_parts_$short
 rm -rf "$parts" && mkdir -p "$parts"
 split=${SAMPLE_SPLIT:-1}
@@ -48,8 +51,8 @@ for length in "${lengths[@]}"; do
       [ "$count" -gt 0 ] || continue
       # shellcheck disable=SC2086
       timeout "${PART_TIMEOUT:-560}" python3 benchmarks/ruler.py --model-path "$model" --attention-backend torch \
-        --dtype "$dtype" --lengths "$length" --tasks ${groups[$i]} --shadowkv-host-mem-fraction 0.02 \
-        --first-sample "$first" --samples "$count" ${PATHS:+--paths $PATHS} \
+        --dtype "$dtype" --lengths "$length" --tasks ${groups[$i]} --shadowkv-host-mem-fraction "${HOST_MEM_FRACTION:-0.02}" \
+        --first-sample "$first" --samples "$count" ${PATHS:+--paths $PATHS} ${HIT_AFTER:+--hit-after $HIT_AFTER} \
         --out "$parts/part_${length}_${i}_$s.json" > "$parts/part_${length}_${i}_$s.log" 2>&1 &
     done
   done
