@@ -226,11 +226,11 @@ def test_a_shadowkv_path_run_again_joins_an_earlier_runs_full_answers(tmp_path):
                            paths=paths, **settings)
 
     earlier = part("earlier.json", ["full", "cold", "hit"], shadowkv_config={"span_grid": 8})
-    full = merge_results([earlier], str(tmp_path / "full.json"), keep=["full"])  # its full answers only
-    assert full["paths"] == ["full"] and set(full["tasks"][0]["rows"][0]) == {"index", "prompt_tokens", "outputs",
-                                                                            "full"}
-    cold_hit = part("cold_hit.json", ["cold", "hit"], shadowkv_config={"span_grid": 512, "host_mem_fraction": 0.1})
     full = str(tmp_path / "full.json")
+    full_only = merge_results([earlier], full, keep=["full"])  # the earlier run's full answers alone
+    assert full_only["paths"] == ["full"]
+    assert set(full_only["tasks"][0]["rows"][0]) == {"index", "prompt_tokens", "outputs", "full"}
+    cold_hit = part("cold_hit.json", ["cold", "hit"], shadowkv_config={"span_grid": 512, "host_mem_fraction": 0.1})
     merged = merge_results([full, cold_hit], str(tmp_path / "all.json"))
     assert merged["paths"] == ["full", "cold", "hit"] and merged["shadowkv_config"]["span_grid"] == 512
     (block,) = merged["tasks"]
@@ -239,11 +239,12 @@ def test_a_shadowkv_path_run_again_joins_an_earlier_runs_full_answers(tmp_path):
     assert block["summary"]["cold_vs_full"]["token_agreement"] == 0.5  # [i, 0] against [i, 1]
     # a hit path with another earlier request joins a cold path run with less pinned memory
     hit = part("hit.json", ["hit"], shadowkv_config={"span_grid": 512, "host_mem_fraction": 0.2}, hit_after="prompt")
-    cold = merge_results([cold_hit], str(tmp_path / "cold.json"), keep=["cold"])
-    assert merge_results([str(tmp_path / "cold.json"), hit], str(tmp_path / "x.json"))["hit_after"] == "prompt"
-    assert cold["paths"] == ["cold"]
+    cold = str(tmp_path / "cold.json")
+    assert merge_results([cold_hit], cold, keep=["cold"])["paths"] == ["cold"]
+    assert merge_results([cold, hit], str(tmp_path / "x.json"))["hit_after"] == "prompt"
     other_prompt = [{"index": 0, "prompt_tokens": 5, "outputs": ["7"], "full": {"output_ids": [0], "score": 1.0}}]
     bad = {"dtype": part("bf16.json", ["full"], dtype="bfloat16"),
+           "shadowkv_config": part("grid8.json", ["hit"], shadowkv_config={"span_grid": 8}),
            "another prompt": result_part(tmp_path / "other.json", [{"task": "vt", "length": 4096, "summary": {},
                                                                    "rows": other_prompt}], paths=["full"]),
            "no full answer": part("half.json", ["full"], indices=(0,)),

@@ -59,8 +59,9 @@ class ShadowKVConfig:
     local_window: int = _field(64, "most recent prompt tokens kept dense")
     span_grid: int = _field(DEFAULT_SPAN_GRID, "a compressed span ends on a multiple of this many tokens from "
                             "its start, leaving up to that many more dense: a document compressed alone and the "
-                            "same document with a question compress one span, so a question over it cached "
-                            "answers as cold (1 or --shadowkv-chunk-size: spans end on the last whole chunk)")
+                            "same document with a question compress one span, so a question over it cached reads "
+                            "the form it makes cold (1 or --shadowkv-chunk-size: spans end on the last whole "
+                            "chunk)")
     min_context: int = _field(4096, "prompts shorter than this stay dense: compression does not pay; a "
                                   "shorter match of a compressed document is no hit (the prompt runs cold)")
     lowrank_method: str = _field("auto", "auto (eigh up to 256 key dims, else subspace), eigh or subspace "
