@@ -218,11 +218,18 @@ def answer_settings(value):
     return value
 
 
+def loaded_result(path: str) -> dict:
+    """A result file with its rows' answers written out (see loaded_rows)."""
+    with open(path) as f:
+        result = json.load(f)
+    blocks = [{**b, "rows": loaded_rows(b["rows"], result["paths"])} if "rows" in b else b for b in result["tasks"]]
+    return {**result, "tasks": blocks}
+
+
 def only_paths(result: dict, keep) -> dict:
-    """A result with the answers of the paths in `keep` only."""
-    blocks = [{**b, "rows": [{k: v for k, v in row.items() if k not in PATHS or k in keep}
-                             for row in loaded_rows(b["rows"], result["paths"])]} if "rows" in b else b
-              for b in result["tasks"]]
+    """A loaded result with the answers of the paths in `keep` only."""
+    blocks = [{**b, "rows": [{k: v for k, v in row.items() if k not in PATHS or k in keep} for row in b["rows"]]}
+              if "rows" in b else b for b in result["tasks"]]
     return {**result, "paths": [p for p in result["paths"] if p in keep], "tasks": blocks}
 
 
@@ -233,12 +240,12 @@ def merge_results(paths: list[str], out: str, keep=None, tasks=TASKS) -> dict:
     hit path), so that a path run again under new settings joins the other paths of an earlier
     run. The parts of one task and length are joined in sample order. keep: the paths to keep
     (default: every path of a part); tasks: the tasks to keep."""
-    results = []
-    for path in paths:
-        with open(path) as f:
-            results.append(only_paths(json.load(f), keep) if keep else json.load(f))
-    base = next((r for r in results if "hit" in r["paths"]),
-                next((r for r in results if "cold" in r["paths"]), results[0]))
+    results = [loaded_result(path) for path in paths]
+    if keep:
+        results = [only_paths(result, keep) for result in results]
+    base_index = next((i for i, r in enumerate(results) if "hit" in r["paths"]),
+                      next((i for i, r in enumerate(results) if "cold" in r["paths"]), 0))
+    base = results[base_index]
     for path, other in zip(paths, results):
         same = ("model", "device", "dtype", "seed")
         if {"cold", "hit"} & set(other["paths"]):
@@ -247,14 +254,12 @@ def merge_results(paths: list[str], out: str, keep=None, tasks=TASKS) -> dict:
             same += ("hit_after",)
         differ = [k for k in same if answer_settings(other.get(k)) != answer_settings(base.get(k))]
         if differ:
-            raise SystemExit(f"{path} differs from {paths[results.index(base)]} in {', '.join(differ)}: "
+            raise SystemExit(f"{path} differs from {paths[base_index]} in {', '.join(differ)}: "
                              "not one run's parts")
     all_paths = [p for p in PATHS if any(p in r["paths"] for r in results)]
     parts: dict[tuple, list[dict]] = {}
     for result in results:
         for block in (b for b in result["tasks"] if b["task"] in tasks):
-            if "rows" in block:
-                block = {**block, "rows": loaded_rows(block["rows"], result["paths"])}
             parts.setdefault((block["length"], TASKS.index(block["task"])), []).append(block)
     blocks = [join_parts(parts[key], all_paths) for key in sorted(parts)]
     merged = {**base, "paths": all_paths, "seconds": max(r["seconds"] for r in results),
