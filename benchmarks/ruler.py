@@ -33,6 +33,7 @@ document is shorter than the default 4096, unless given); any ShadowKV setting i
     python benchmarks/ruler.py --merge old.json --paths full --out full.json   # a run's full answers alone
     python benchmarks/ruler.py --merge full.json cold_hit.json --out all.json  # joined to another run's
     python benchmarks/ruler.py --first-sample 6 --samples 6 ...      # a task's second half (merge joins halves)
+    python benchmarks/ruler.py --compare a.json b.json --paths cold --out spread.json   # one path, two runs
 
 Writes compact JSON (every answer's tokens, path and score; per task and length the summaries)
 after every task, so a long run keeps what it has done; prints a table. `--merge` of one file
@@ -92,7 +93,8 @@ def run_path(engine: Engine, path: str, cases: list[dict], params: dict) -> list
                                f"{len(case['doc'])} tokens cached")
         outs.append({"text": out["text"], "output_ids": out["output_ids"],
                      "score": string_match_all(out["text"], case["sample"].outputs),
-                     "seconds": round(time.perf_counter() - t0, 1)})
+                     "seconds": round(time.perf_counter() - t0, 1),
+                     **({"from_copies": bool(out["counters"]["exact_copy_hits"])} if path == "hit" else {})})
     engine.flush_cache()
     return outs
 
@@ -128,6 +130,9 @@ def summarize(rows: list[dict], paths) -> dict:
     out = {"samples": len(rows),
            "score": {p: round(100 * sum(r[p]["score"] for r in rows) / len(rows), 2) for p in paths},
            "answers": {p: round(sum(r[p]["score"] for r in rows), 2) for p in paths}}
+    copies = [r["hit"]["from_copies"] for r in rows if "hit" in paths and "from_copies" in r["hit"]]
+    if copies:  # hits whose prefill read the document's exact copy (the counters say; older runs: not kept)
+        out["hits_from_copies"] = sum(copies)
     for a, b in AGREEMENTS:
         if a in paths and b in paths:
             out[f"{a}_vs_{b}"] = agreement([r[a]["output_ids"] for r in rows], [r[b]["output_ids"] for r in rows])
@@ -209,21 +214,25 @@ def join_parts(blocks: list[dict], paths) -> dict:
 
 # how much host memory a run pinned: not a setting its answers depend on (too little raises)
 CAPACITY_SETTINGS = ("host_mem_fraction", "shadowkv_host_mem_fraction")
+# settings that only a hit's prefill reads (cold prefills dense and decodes as a hit does)
+HIT_ONLY_SETTINGS = ("exact_copy_fraction", "shadowkv_exact_copy_fraction")
 
 
-def answer_settings(value):
-    """A provenance field as far as the answers depend on it: settings without the capacities."""
+def answer_settings(value, hit: bool = True):
+    """A provenance field as far as a part's answers depend on it: settings without the
+    capacities, and without the hit's own settings for a part without hit answers."""
     if isinstance(value, dict):
-        return {k: v for k, v in value.items() if k not in CAPACITY_SETTINGS}
+        return {k: v for k, v in value.items() if k not in CAPACITY_SETTINGS and (hit or k not in HIT_ONLY_SETTINGS)}
     return value
 
 
 def loaded_result(path: str) -> dict:
-    """A result file with its rows' answers written out (see loaded_rows)."""
+    """A result file with its rows' answers written out (see loaded_rows). A file from before the
+    attention backend was recorded ran the torch backend (every RULER run did until then)."""
     with open(path) as f:
         result = json.load(f)
     blocks = [{**b, "rows": loaded_rows(b["rows"], result["paths"])} if "rows" in b else b for b in result["tasks"]]
-    return {**result, "tasks": blocks}
+    return {"attention_backend": "torch", **result, "tasks": blocks}
 
 
 def only_paths(result: dict, keep) -> dict:
@@ -236,8 +245,8 @@ def only_paths(result: dict, keep) -> dict:
 def merge_results(paths: list[str], out: str, keep=None, tasks=TASKS) -> dict:
     """One result from runs that split the tasks, a task's samples, or the paths between them:
     their settings must agree, but for those that don't touch a part's answers (the ShadowKV
-    settings to a part of full-attention paths only, the hit's earlier request to one without the
-    hit path), so that a path run again under new settings joins the other paths of an earlier
+    settings to a part of full-attention paths only, the hit's earlier request and its exact
+    copies to one without the hit path), so that a path run again under new settings joins the other paths of an earlier
     run. The parts of one task and length are joined in sample order. keep: the paths to keep
     (default: every path of a part); tasks: the tasks to keep."""
     results = [loaded_result(path) for path in paths]
@@ -247,12 +256,13 @@ def merge_results(paths: list[str], out: str, keep=None, tasks=TASKS) -> dict:
                       next((i for i, r in enumerate(results) if "cold" in r["paths"]), 0))
     base = results[base_index]
     for path, other in zip(paths, results):
-        same = ("model", "device", "dtype", "seed")
+        same = ("model", "device", "dtype", "attention_backend", "seed")
         if {"cold", "hit"} & set(other["paths"]):
             same += ("engine_overrides", "shadowkv_config")
         if "hit" in other["paths"]:
             same += ("hit_after",)
-        differ = [k for k in same if answer_settings(other.get(k)) != answer_settings(base.get(k))]
+        hit = "hit" in other["paths"]
+        differ = [k for k in same if answer_settings(other.get(k), hit) != answer_settings(base.get(k), hit)]
         if differ:
             raise SystemExit(f"{path} differs from {paths[base_index]} in {', '.join(differ)}: "
                              "not one run's parts")
@@ -268,6 +278,58 @@ def merge_results(paths: list[str], out: str, keep=None, tasks=TASKS) -> dict:
     with open(out, "w") as f:
         json.dump(merged, f, separators=(",", ":"))
     return merged
+
+
+def compare_runs(paths: list[str], path: str, out: str) -> dict:
+    """Token agreement of one path's answers between two runs on the same prompts (pairs of files:
+    a, b, a, b...), per task and length, beside each run's own hit = cold agreement: how far two
+    computations that are both exact part (another attention kernel, another machine), the spread
+    that rounding alone gives the hit path's agreement with cold."""
+    if len(paths) % 2:
+        raise SystemExit("--compare takes pairs of results")
+    pairs = []
+    for a_path, b_path in zip(paths[::2], paths[1::2]):
+        a, b = loaded_result(a_path), loaded_result(b_path)
+        if path not in a["paths"] or path not in b["paths"]:
+            raise SystemExit(f"--compare: {a_path} or {b_path} has no {path} answers")
+        b_blocks = {(blk["task"], blk["length"]): blk for blk in b["tasks"] if "rows" in blk}
+        tasks = []
+        for blk in (x for x in a["tasks"] if "rows" in x and (x["task"], x["length"]) in b_blocks):
+            other = b_blocks[blk["task"], blk["length"]]
+            if [(r["index"], r["prompt_tokens"]) for r in blk["rows"]] != [(r["index"], r["prompt_tokens"])
+                                                                            for r in other["rows"]]:
+                raise SystemExit(f"--compare: {blk['task']} at {blk['length']} holds other prompts in {b_path}")
+            row = {"task": blk["task"], "length": blk["length"],
+                   f"{path}_a_vs_b": agreement([r[path]["output_ids"] for r in blk["rows"]],
+                                               [r[path]["output_ids"] for r in other["rows"]])}
+            for side, result in (("a", blk), ("b", other)):
+                if "hit_vs_cold" in result["summary"]:
+                    row[f"hit_vs_cold_{side}"] = result["summary"]["hit_vs_cold"]["token_agreement"]
+                if "hits_from_copies" in result["summary"]:
+                    row[f"hits_from_copies_{side}"] = result["summary"]["hits_from_copies"]
+            tasks.append(row)
+        if not tasks:
+            raise SystemExit(f"--compare: {a_path} and {b_path} share no task")
+
+        def mean(key):
+            values = [t[key]["token_agreement"] if isinstance(t[key], dict) else t[key] for t in tasks if key in t]
+            return round(sum(values) / len(values), 3) if len(values) == len(tasks) else None
+
+        pairs.append({"a": Path(a_path).name, "b": Path(b_path).name, "dtype": a["dtype"],
+                      "attention_backend": [a["attention_backend"], b["attention_backend"]],
+                      f"mean_{path}_a_vs_b": mean(f"{path}_a_vs_b"), "mean_hit_vs_cold_a": mean("hit_vs_cold_a"),
+                      "mean_hit_vs_cold_b": mean("hit_vs_cold_b"),
+                      **{f"hits_from_copies_{side}": sum(t[f"hits_from_copies_{side}"] for t in tasks)
+                         for side in "ab" if all(f"hits_from_copies_{side}" in t for t in tasks)},
+                      "tasks": tasks})
+    result = {"path": path, "pairs": pairs}
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    for pair in pairs:
+        print(f"{pair['a']} / {pair['b']} ({pair['dtype']}, {' / '.join(pair['attention_backend'])}): {path} "
+              f"answers' tokens equal {pair[f'mean_{path}_a_vs_b']}; hit = cold {pair['mean_hit_vs_cold_a']} / "
+              f"{pair['mean_hit_vs_cold_b']}")
+    return result
 
 
 def main() -> None:
@@ -291,6 +353,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default="benchmarks/results/ruler.json")
     ap.add_argument("--table", metavar="JSON", help="print the table of an earlier result and exit")
+    ap.add_argument("--compare", nargs="+", metavar="JSON", help="pairs of results on the same prompts (a b a b "
+                    "...): per task, how alike one path's answers are between the two (--paths: that path, default "
+                    "cold), beside each one's hit = cold; written to --out")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="write the tasks of several results (the same "
                     "model, device, dtype and settings: runs split across processes, or a ShadowKV path "
                     "run again beside an earlier run's full answers) to --out and exit")
@@ -301,6 +366,9 @@ def main() -> None:
         return
     if args.merge:
         print_table(merge_results(args.merge, args.out, keep=args.paths, tasks=args.tasks))
+        return
+    if args.compare:
+        compare_runs(args.compare, (args.paths or ["cold"])[0], args.out)
         return
     args.paths = args.paths or list(DEFAULT_PATHS)
     # a 4K sample's document is under the default shadowkv_min_context (4096): compress it anyway

@@ -204,8 +204,10 @@ def test_startup_runs_each_selection_compile_class_once_plain_with_a_long_window
     assert len(widths) == len({compile_class(w) for w in widths}) and max(widths) == max(all_widths)
     assert [v for v in variants if isinstance(v, tuple)] == [("long_window", w) for w in widths]
     suffix_variants = graphs.backend.compile_suffix_variants()
-    # suffixes select per KV head: compiled apart; an exact step's kernels are one set at every width
-    assert suffix_variants == [("suffix", w) for w in widths] + [("exact_suffix", all_widths[0], 1)]
+    # suffixes select per KV head: compiled apart; an exact step's kernels are one set at every width,
+    # gathering exact copies or rebuilding
+    assert suffix_variants == [("suffix", w) for w in widths] + [("exact_suffix", all_widths[0], 1, from_copies)
+                                                                 for from_copies in (True, False)]
     ran, forward = [], graphs._forward
     def record(batch, key):
         first_of_its_kind = not any(isinstance(k[0], tuple) == isinstance(key[0], tuple) for k in ran)
@@ -387,7 +389,8 @@ def test_exact_suffixes_replay_a_graph_per_documents_and_give_the_eager_tokens(e
     plain, graphed = exact_pair
     graphs = graphed.scheduler.runner.graphs
     narrowest = graph_widths(graphs.backend.decoder.max_chunks)[0]
-    assert graphs.backend.compile_suffix_variants() == [("exact_suffix", narrowest, 1)]  # no selection
+    assert graphs.backend.compile_suffix_variants() == [("exact_suffix", narrowest, 1, from_copies)  # no selection
+                                                        for from_copies in (True, False)]
     doc, questions = document_and_questions(plain.tokenizer, 1200, 47)
     other, _ = document_and_questions(plain.tokenizer, 900, 48)
     want = greedy_answers(plain.scheduler, doc, questions[:2], 6)
@@ -398,7 +401,7 @@ def test_exact_suffixes_replay_a_graph_per_documents_and_give_the_eager_tokens(e
 
     before = graphs.replays_by_variant.copy()
     assert greedy_answers(graphed.scheduler, doc, questions[:2], 6) == want
-    assert sum(exact_steps(before).values()) == 2 and all(v.endswith(", 1)") for v in exact_steps(before))
+    assert sum(exact_steps(before).values()) == 2 and all(v.endswith(", 1, True)") for v in exact_steps(before))
     table = graphed.scheduler.runner.req_to_token
     assert not table.table[table.padding_row].any()
 
@@ -422,7 +425,7 @@ def test_exact_suffixes_replay_a_graph_per_documents_and_give_the_eager_tokens(e
         before = graphs.replays_by_variant.copy()
         assert together(graphed, prompts) == want
         steps = exact_steps(before)
-        assert sum(steps.values()) == 1 and next(iter(steps)).endswith(f", {documents})")
+        assert sum(steps.values()) == 1 and next(iter(steps)).endswith(f", {documents}, True)")
     monkeypatch.setattr(suffix_prefill, "WORKSPACE_BYTES", 1 << 10)  # no document fits in one piece
     before = graphs.replays_by_variant.copy()
     eager = graphed.scheduler.runner.eager_steps

@@ -158,6 +158,36 @@ def test_results_of_one_run_split_across_processes_merge_in_task_order(tmp_path)
     other = part("c.json", [("cwe", 4096)], 10.0, dtype="bfloat16")
     with pytest.raises(SystemExit, match="dtype"):
         merge_results([a, other], str(tmp_path / "bad.json"))
+    triton = part("d.json", [("cwe", 4096)], 10.0, attention_backend="triton")  # a: before the field, torch
+    with pytest.raises(SystemExit, match="attention_backend"):
+        merge_results([a, triton], str(tmp_path / "bad.json"))
+
+
+def test_two_runs_on_the_same_prompts_compare_one_paths_answers(tmp_path):
+    """`ruler.py --compare a.json b.json`: per task, how alike the cold answers of two runs are (the
+    spread of two exact computations), beside each run's hit = cold; other prompts are refused."""
+    from benchmarks.ruler import compare_runs
+
+    def run(name, cold, hit=None, prompt_tokens=100, **fields):
+        rows = [{"index": i, "prompt_tokens": prompt_tokens, "cold": {"output_ids": ids, "score": 0.0},
+                 **({"hit": {"output_ids": hit[i], "score": 0.0}} if hit else {})} for i, ids in enumerate(cold)]
+        summary = {"hit_vs_cold": {"token_agreement": 0.5}, "hits_from_copies": len(hit)} if hit else {}
+        return result_part(tmp_path / name, [{"task": "vt", "length": 4096, "summary": summary, "rows": rows}],
+                           paths=["cold", "hit"] if hit else ["cold"], **fields)
+
+    torch_run = run("torch.json", [[1, 2, 3, 4], [5, 6]], hit=[[1, 2, 0, 0], [5, 6]])
+    triton_run = run("triton.json", [[1, 2, 3, 9], [5, 6]], attention_backend="triton")
+    result = compare_runs([triton_run, torch_run], "cold", str(tmp_path / "spread.json"))
+    (pair,) = result["pairs"]
+    assert pair["attention_backend"] == ["triton", "torch"] and pair["mean_cold_a_vs_b"] == round(5 / 6, 3)
+    assert pair["tasks"][0]["cold_a_vs_b"]["same_answers"] == 1
+    assert pair["mean_hit_vs_cold_a"] is None and pair["mean_hit_vs_cold_b"] == 0.5
+    assert pair["hits_from_copies_b"] == 2 and "hits_from_copies_a" not in pair
+    other = run("other.json", [[1], [5]], prompt_tokens=7)
+    with pytest.raises(SystemExit, match="other prompts"):
+        compare_runs([other, torch_run], "cold", str(tmp_path / "bad.json"))
+    with pytest.raises(SystemExit, match="pairs"):
+        compare_runs([other], "cold", str(tmp_path / "bad.json"))
 
 
 def test_a_full_hit_answers_as_full_attention_does_over_the_document_cached_dense(engine):
@@ -213,9 +243,9 @@ def test_a_task_split_by_samples_across_processes_merges_into_one_task(tmp_path)
 def test_a_shadowkv_path_run_again_joins_an_earlier_runs_full_answers(tmp_path):
     """`ruler.py --merge full.json cold_hit.json`: the ShadowKV paths of a run under new ShadowKV
     settings join the full answers of an earlier run (which those settings don't touch; `--paths
-    full` takes them from that run's file) per sample, as a hit after another earlier request joins
-    the cold answers, whatever host memory each run pinned; other model settings, another prompt
-    or a path no part answers are refused."""
+    full` takes them from that run's file) per sample, as a hit after another earlier request (or
+    reading exact copies) joins the cold answers, whatever host memory each run pinned; other
+    model settings, another prompt or a path no part answers are refused."""
     from benchmarks.ruler import merge_results
 
     def part(name, paths, indices=(0, 1), **settings):
@@ -242,6 +272,11 @@ def test_a_shadowkv_path_run_again_joins_an_earlier_runs_full_answers(tmp_path):
     cold = str(tmp_path / "cold.json")
     assert merge_results([cold_hit], cold, keep=["cold"])["paths"] == ["cold"]
     assert merge_results([cold, hit], str(tmp_path / "x.json"))["hit_after"] == "prompt"
+    # a hit path with exact copies joins a cold path run before the setting existed; hit paths don't
+    copied = part("copied.json", ["hit"], shadowkv_config={"span_grid": 512, "exact_copy_fraction": 0.25})
+    assert merge_results([cold, copied], str(tmp_path / "y.json"))["paths"] == ["cold", "hit"]
+    with pytest.raises(SystemExit, match="shadowkv_config"):
+        merge_results([copied, cold_hit], str(tmp_path / "z.json"), keep=["hit"])
     other_prompt = [{"index": 0, "prompt_tokens": 5, "outputs": ["7"], "full": {"output_ids": [0], "score": 1.0}}]
     bad = {"dtype": part("bf16.json", ["full"], dtype="bfloat16"),
            "shadowkv_config": part("grid8.json", ["hit"], shadowkv_config={"span_grid": 8}),

@@ -62,13 +62,14 @@ def test_energy_rule_picks_the_true_rank():
     assert low_rank_basis(x, 8, energy=0.9999, method="subspace").shape[0] == 5
 
 
-def _compressed_pool(num_pages=64, host_chunks=12, value_dtype=None, landmark_dtype=None):
+def _compressed_pool(num_pages=64, host_chunks=12, value_dtype=None, landmark_dtype=None, copy_chunks=0):
     """A compressed pool inside a dense pool of its own: 1 layer, 2 KV heads of 8 dims, chunks of 4."""
     from sglang_shadowkv.mem_cache.compressed_pool import ShadowKVPool
     from sglang_shadowkv.mem_cache.kv_pool import PagedKVPool
 
     kv = PagedKVPool(num_pages, 4, 1, 2, 8, torch.float32, "cpu")
-    return ShadowKVPool(kv, 4, host_chunks, 3, value_dtype=value_dtype, landmark_dtype=landmark_dtype)
+    return ShadowKVPool(kv, 4, host_chunks, 3, value_dtype=value_dtype, landmark_dtype=landmark_dtype,
+                        copy_chunks=copy_chunks)
 
 
 def test_segments_take_their_pages_from_the_dense_pool_and_give_them_back():
@@ -94,6 +95,44 @@ def test_segments_take_their_pages_from_the_dense_pool_and_give_them_back():
     for seg in (second, third):
         pool.free_segment(seg)
     assert kv.num_free == free and pool.free_chunks == pool.chunk_capacity
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+def test_exact_copies_keep_the_most_recently_used_segments_and_give_back_their_keys_and_values(use_triton):
+    """The copies are a cache: a new segment takes room from the least recently used copies (never
+    from those a request is about to read), and its chunks' exact keys and values come back from
+    them as written, beside int8 host values (the gather kernel interpreted, or its reference)."""
+    from sglang_shadowkv.layers.rotary import RotaryEmbedding
+    from sglang_shadowkv.shadowkv.decode import ChunkMemory, SparseDecoder
+
+    pool = _compressed_pool(value_dtype=torch.int8, copy_chunks=8)
+    copies = pool.copies
+    assert copies.v is not None and copies.capacity == 8  # int8 host values: the copies hold values too
+    older, newer = pool.alloc_segment(0, 16, 1), pool.alloc_segment(0, 16, 1)
+    older.last_use, newer.last_use = 1, 2
+    assert copies.free_chunks == 0
+    third = pool.alloc_segment(0, 12, 1)  # the least recently used copy goes
+    assert not older.copy_slots and (copies.slot_of[older.chunk_slots] == 0).all()
+    assert len(newer.copy_slots) == 4 and copies.slot_of[third.chunk_slots].tolist() == third.copy_slots
+    pool.free_segment(older)
+    kept = pool.alloc_segment(0, 16, 1, keep_copies=[newer, third])  # room only by dropping those
+    assert not kept.copy_slots and len(newer.copy_slots) == 4 and len(third.copy_slots) == 3
+    gen = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(12, 2, 8, generator=gen), torch.randn(12, 2, 8, generator=gen)
+    pool.write_exact_copy(0, third, keys, values)
+    pool.write_host_values(0, third, values)
+    decoder = SparseDecoder(pool, ShadowKVConfig(chunk_size=4), RotaryEmbedding(8, 10000.0, 64), 1, 8, use_triton)
+    blocks = [torch.zeros(2 * 4 * 2, 4, 8) for _ in range(2)]  # two pages of 4 entries, 2 KV heads
+    memory = ChunkMemory(*blocks, torch.arange(8, dtype=torch.int32).view(2, 4))
+    jobs = torch.full((2, 2, 4), -1, dtype=torch.int64)
+    jobs[0, :, :3] = third.chunk_slots  # row 0 takes the segment's 3 chunks, each KV head
+    decoder.fetch_copies(jobs, 0, torch.arange(2, dtype=torch.int32), memory)
+    blocks_k, blocks_v = (b.view(2, 4, 2, 4, 8)[0, :3] for b in (memory.blocks_k, memory.blocks_v))  # [entry, head, c, D]
+    for got, want in ((blocks_k, keys), (blocks_v, values)):  # exactly as written, not int8-rounded
+        assert torch.equal(got, want.view(3, 4, 2, 8).transpose(1, 2))
+    for seg in (newer, third, kept):
+        pool.free_segment(seg)
+    assert copies.free_chunks == 8 and not copies.holders()
 
 
 def test_compressed_state_lives_in_the_pages_of_the_dense_pool():
@@ -173,6 +212,8 @@ def test_config_sizes_and_errors():
     for kwargs, name in [({"budget": 0}, "shadowkv_budget"), ({"rank": -1}, "shadowkv_rank"),
                          ({"lowrank_method": "qr"}, "shadowkv_lowrank_method"),
                          ({"span_grid": 0}, "shadowkv_span_grid"),
+                         ({"exact_copy_fraction": -0.1}, "shadowkv_exact_copy_fraction"),
+                         ({"exact_copy_fraction": 0.6}, "shadowkv_host_mem_fraction \\+ shadowkv_exact_copy_fraction"),
                          ({"rank_energy": 1.5}, "shadowkv_rank_energy"),
                          ({"value_dtype": "fp4"}, "shadowkv_value_dtype"),
                          ({"landmark_dtype": "fp8"}, "shadowkv_landmark_dtype")]:

@@ -5,6 +5,8 @@ ShadowKV suites evenly."""
 
 import gc
 
+import pytest
+
 from tests.conftest import assert_pool_clean
 from tests.test_shadowkv import (SHADOW_ENGINE, assert_shadow_pools_clean, document_and_questions, greedy_answers,
                                 long_prompt, shadow_engine)  # noqa: F401 (a fixture)
@@ -72,23 +74,28 @@ def test_suffixes_prefilled_together_answer_as_one_at_a_time(shadow_engine):
     gc.collect()
 
 
-def test_exact_questions_together_share_one_rebuild_and_their_kernels_match_the_reference(shadow_engine,
-                                                                                          monkeypatch):
+@pytest.mark.parametrize("copies", [True, False], ids=["from-exact-copies", "rebuilt"])
+def test_exact_questions_together_share_one_fetch_and_their_kernels_match_the_reference(shadow_engine, monkeypatch,
+                                                                                        copies):
     """Questions attending every chunk (shadowkv_sparse_prefill_max=0) sent together: one round, their
-    document rebuilt once for all three (not once each), each answering as it does alone. Its
-    Triton kernels (interpreted here) give the torch reference's attention output, with the
-    workspace cut into pieces of 64 chunk columns (the last one padded)."""
+    document fetched once for all three (not once each): gathered from its exact copy (the
+    default), or rebuilt from its compressed form; each answering as it does alone. Its Triton
+    kernels (interpreted here) give the torch reference's attention output, with the workspace
+    cut into pieces of 64 chunk columns (the last one padded)."""
     from sglang_shadowkv.sampling_params import SamplingParams
     from sglang_shadowkv.shadowkv import suffix_prefill
 
     doc, questions = document_and_questions(shadow_engine.tokenizer, 1200, 37)
-    sched = suffix_scheduler(shadow_engine, shadowkv_sparse_prefill_max=0)
+    sched = suffix_scheduler(shadow_engine, shadowkv_sparse_prefill_max=0,
+                             **({} if copies else {"shadowkv_exact_copy_fraction": 0.0}))
     alone = greedy_answers(sched, doc, questions[:3], 4)
     sched.flush_cache()
     greedy_answers(sched, doc, questions[:1], 1)  # the document, compressed
     suffix = sched.runner.backend.suffix
     plans, gaps, pieces = [], [], []
-    planned, attend, fetch = suffix_prefill.SuffixPrefill.plan, suffix_prefill.SuffixPrefill.attend, suffix.decoder.fetch
+    fetch_name = "fetch_copies" if copies else "fetch"
+    planned, attend, fetch = suffix_prefill.SuffixPrefill.plan, suffix_prefill.SuffixPrefill.attend, getattr(
+        suffix.decoder, fetch_name)
 
     def both_paths(self, q, layer, plan, kv_pool):
         """The reference's output, after the Triton kernels' on the same inputs (the first
@@ -105,25 +112,63 @@ def test_exact_questions_together_share_one_rebuild_and_their_kernels_match_the_
     monkeypatch.setattr(suffix_prefill.SuffixPrefill, "plan", lambda self, *a: plans.append(planned(self, *a))
                         or plans[-1])
     monkeypatch.setattr(suffix_prefill.SuffixPrefill, "attend", both_paths)
-    monkeypatch.setattr(suffix.decoder, "fetch", lambda jobs, *a, **k: pieces.append(jobs.shape) or fetch(jobs, *a, **k))
+    monkeypatch.setattr(suffix.decoder, fetch_name, lambda jobs, *a, **k: pieces.append(jobs.shape) or fetch(jobs, *a, **k))
     monkeypatch.setattr(suffix_prefill, "WORKSPACE_BYTES", 64 * 2 * 3 * 8 * 64 * 4 + 1)  # 64 columns of float32 chunks
     reqs = [sched.add_request(f"x{i}", doc + q, SamplingParams(max_new_tokens=4, temperature=0))
             for i, q in enumerate(questions[:3])]
     sched.step()
     monkeypatch.setattr(suffix_prefill.SuffixPrefill, "attend", attend)
-    monkeypatch.setattr(suffix.decoder, "fetch", fetch)
+    monkeypatch.setattr(suffix.decoder, fetch_name, fetch)
     while sched.has_work:
         sched.step()
     assert [r.output_ids for r in reqs] == alone
     (plan,) = plans
     (rnd,) = plan.rounds
     ws = rnd.workspace
-    assert ws.slots.shape[0] == 1 and ws.docs.tolist() == [0, 0, 0] and ws.width == 64
+    assert ws.slots.shape[0] == 1 and ws.docs.tolist() == [0, 0, 0] and ws.width == 64 and ws.from_copies == copies
+    assert sched.stats["exact_copy_hits"] == (len(alone) + 1 + len(reqs) if copies else 0)  # every question
     layers = sched.runner.config.num_layers
     assert len(gaps) == TRITON_LAYERS and max(gaps) < 1e-4
     assert len(pieces) == (layers + TRITON_LAYERS) * ws.slots.shape[1] // 64 > layers + TRITON_LAYERS
     assert {p[2] for p in pieces} == {64}
     del sched
+    gc.collect()
+
+
+def test_exact_copies_go_least_recently_used_first_and_a_question_without_one_reads_the_compressed_form(
+        shadow_engine):
+    """Copies of one document's chunks (1024 tokens): a second document compressed takes the first's
+    copy, and a question on the first then prefills over its compressed form, answering as an
+    engine without copies does; the second's question reads its copy (counters)."""
+    from sglang_shadowkv.sampling_params import SamplingParams
+
+    sched = suffix_scheduler(shadow_engine, shadowkv_exact_copy_fraction=0.125)  # a quarter of 4096 host tokens
+    assert sched.runner.compressed_pool.copies.capacity == 1024 // 8
+    first, questions = document_and_questions(shadow_engine.tokenizer, 1200, 51)
+    second, _ = document_and_questions(shadow_engine.tokenizer, 1200, 52)
+    greedy_answers(sched, first, questions[:1], 2)  # compressed, then a question reading its copy
+    greedy_answers(sched, second, questions[:1], 2)
+    assert sched.stats["exact_copy_hits"] == 2
+
+    def answer(scheduler, ids):
+        req = scheduler.add_request("q", ids, SamplingParams(max_new_tokens=6, temperature=0))
+        while scheduler.has_work:
+            scheduler.step()
+        assert req.shadowkv.layout is not None  # a hit on the compressed document
+        return req.output_ids
+
+    without_copy = answer(sched, first + questions[1])
+    assert sched.stats["exact_copy_hits"] == 2
+    no_copies = suffix_scheduler(shadow_engine, shadowkv_exact_copy_fraction=0.0)
+    greedy_answers(no_copies, first, questions[:1], 2)
+    assert answer(no_copies, first + questions[1]) == without_copy
+    answer(sched, second + questions[1])
+    assert sched.stats["exact_copy_hits"] == 3
+    copies = sched.runner.compressed_pool.copies
+    assert [seg.num_chunks for seg in copies.holders()] == [1024 // 8]  # the second document's
+    sched.flush_cache()
+    assert copies.free_chunks == copies.capacity and not copies.holders()
+    del sched, no_copies
     gc.collect()
 
 

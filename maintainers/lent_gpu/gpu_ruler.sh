@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# benchmarks/ruler.py on the lent GPU (the embedded model, torch attention backend, ShadowKV defaults
+# benchmarks/ruler.py on the lent GPU (the embedded model, torch attention backend unless
+# ATTENTION_BACKEND says otherwise, ShadowKV defaults
 # with compression forced): one dtype per 10-minute call, every task at the given lengths, split
 # over 4 processes per length (a quarter of the tasks each) that share the GPU, each pinning a
 # small share of host memory for its compressed values.
@@ -12,7 +13,10 @@
 #            PATHS="full full_hit": other paths than ruler.py's default; HIT_AFTER=prompt: ruler.py's
 #            --hit-after; RUN_TAG=_x: a suffix to the parts directory and output names, for two runs of
 #            one dtype at once; HOST_MEM_FRACTION: each process's pinned share of host memory, default
-#            0.02: on four H200s (512 GiB) 72 processes at 0.02 ran out of memory, none finished a task)
+#            0.02: on four H200s (512 GiB) 72 processes at 0.02 ran out of memory, none finished a task;
+#            EXACT_COPY_FRACTION: each process's share for exact copies, default 0.005, which holds an
+#            8K document's copy in float32 on a 128 GiB machine (0.25, the server's default, is for one
+#            process); ATTENTION_BACKEND: the engine's, default torch)
 # On a two-GPU machine both dtypes run at once, one GPU each (the GGUF joined first, so that the
 # two runs don't both join it):
 #   . maintainers/lent_gpu/embedded_gguf.sh && embedded_gguf && \
@@ -50,8 +54,9 @@ for length in "${lengths[@]}"; do
       count=$((12 - first < per_part ? 12 - first : per_part))
       [ "$count" -gt 0 ] || continue
       # shellcheck disable=SC2086
-      timeout "${PART_TIMEOUT:-560}" python3 benchmarks/ruler.py --model-path "$model" --attention-backend torch \
+      timeout "${PART_TIMEOUT:-560}" python3 benchmarks/ruler.py --model-path "$model" --attention-backend "${ATTENTION_BACKEND:-torch}" \
         --dtype "$dtype" --lengths "$length" --tasks ${groups[$i]} --shadowkv-host-mem-fraction "${HOST_MEM_FRACTION:-0.02}" \
+        --shadowkv-exact-copy-fraction "${EXACT_COPY_FRACTION:-0.005}" \
         --first-sample "$first" --samples "$count" ${PATHS:+--paths $PATHS} ${HIT_AFTER:+--hit-after $HIT_AFTER} \
         --out "$parts/part_${length}_${i}_$s.json" > "$parts/part_${length}_${i}_$s.log" 2>&1 &
     done

@@ -151,6 +151,8 @@ class SchedulerStateCollector(Collector):
                               ("compressions", "Segments compressed (at prefill, or demoted from the dense tier)."),
                               ("compressed_prefix_hits", "Requests that reused a compressed cached prefix."),
                               ("compressed_tokens_reused", "Prompt tokens served from compressed cached prefixes."),
+                              ("exact_copy_hits", "Requests whose prefill over a compressed cached prefix read "
+                               "its exact copies (keys and values as the document's cold prefill had them)."),
                               ("demotions", "Dense cached spans demoted to compressed form instead of dropped."),
                               ("demoted_tokens", "Tokens demoted from the dense tier to the compressed one."),
                               ("gpu_value_loads", "Compressed segments whose values were copied into lent GPU pages."),

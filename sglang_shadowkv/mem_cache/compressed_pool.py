@@ -32,7 +32,8 @@ from sglang_shadowkv.kernels.quantize_chunks import chunk_major, quantize_chunks
 from .compressed_layout import (basis_pages, element_size, quantize_per_head, segment_pages, slot_layout,
                                 values_per_page)
 from .host_kv_pool import HostEntry
-from .host_memory import PinnedHostTensor
+from .exact_copies import ExactCopies
+from .host_memory import PinnedHostTensor, contiguous_runs
 from .kv_pool import PagedKVPool, to_device
 
 
@@ -56,6 +57,8 @@ class Segment:
     ranks_on_host: tuple | None = None  # (event, pinned tensor): the ranks' copy started by stage_ranks
     host_pages: list[int] | None = None  # parked: the host-tier pages holding its pages' copies (pages is [])
     parked_outlier_pos: torch.Tensor | None = None  # parked: outlier_pos of its blocks, per layer
+    copy_slots: list[int] = field(default_factory=list)  # its exact copy's slots (none: no copy; exact_copies.py)
+    copy_runs: list[tuple[int, int, int]] = field(default_factory=list)  # as host_runs, of copy_slots
 
     @property
     def parked(self) -> bool:
@@ -115,7 +118,8 @@ class ParkedChunkRef(ChunkRef, HostEntry):
 
 class ShadowKVPool:
     def __init__(self, kv: PagedKVPool, max_rank: int, host_chunks: int, max_segments: int,
-                 value_dtype: torch.dtype | None = None, landmark_dtype: torch.dtype | None = None):
+                 value_dtype: torch.dtype | None = None, landmark_dtype: torch.dtype | None = None,
+                 copy_chunks: int = 0):
         k0 = kv.k_buffers[0]
         self.kv, self.dtype, self.device = kv, k0.dtype, kv.device
         self.chunk_size = c = kv.page_size
@@ -181,6 +185,9 @@ class ShadowKVPool:
         self.d2h_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.h2d_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # GPU values
         self.live: dict[int, Segment] = {}  # allocated segments by id
+        # exact copies of the segments' keys (and values, unless the host pool holds them exactly)
+        self.copies = ExactCopies(self.num_layers, h, c, d, self.dtype, copy_chunks, value_dtype != self.dtype,
+                                  self.num_slots, self.device) if copy_chunks else None
 
     # ---- sizes ---------------------------------------------------------------------------------
     @property
@@ -201,8 +208,9 @@ class ShadowKVPool:
         return segment_pages(self.layout, num_chunks, num_outliers, self.max_rank, self.chunk_size)
 
     def free_ids(self) -> dict[str, list[int]]:
-        """Free segment ids and host slots (copies; for accounting checks)."""
-        return {"segments": list(self._free_segments), "host_slots": list(self._free_host)}
+        """Free segment ids, host slots and exact copy slots (copies; for accounting checks)."""
+        return {"segments": list(self._free_segments), "host_slots": list(self._free_host),
+                **({} if self.copies is None else {"copy_slots": self.copies.free_ids()})}
 
     # ---- segments ------------------------------------------------------------------------------
     def parked_segments(self) -> list[Segment]:
@@ -220,8 +228,10 @@ class ShadowKVPool:
         return (num_chunks <= len(self._free_host) + reclaimable_chunks and bool(self._free_segments)
                 and self.pages_for(num_chunks, num_outliers) <= self.kv.num_free)
 
-    def alloc_segment(self, start: int, num_tokens: int, num_outliers: int) -> Segment | None:
-        """Take the pages, host slots and id of a segment (None, nothing taken, when any is short)."""
+    def alloc_segment(self, start: int, num_tokens: int, num_outliers: int, keep_copies=()) -> Segment | None:
+        """Take the pages, host slots and id of a segment (None, nothing taken, when any is short),
+        and an exact copy's slots when the copies can make room without the copies of keep_copies
+        (segments a request is about to read)."""
         n = num_tokens // self.chunk_size
         if num_tokens % self.chunk_size or not self.can_alloc(n, num_outliers):
             return None
@@ -229,7 +239,9 @@ class ShadowKVPool:
         host = [self._free_host.pop() for _ in range(n)]
         seg = Segment(self._free_segments.pop(), start, num_tokens, torch.empty(n, dtype=torch.int64),
                       torch.empty(self.num_kv_heads, num_outliers, dtype=torch.int32), pages, host,
-                      ranks=[0] * self.num_layers, host_runs=_contiguous_runs(host))
+                      ranks=[0] * self.num_layers, host_runs=contiguous_runs(host))
+        if self.copies is not None:
+            self.copies.take(seg, keep_copies)
         self._place(seg, pages)
         self.live[seg.seg_id] = seg
         return seg
@@ -247,6 +259,8 @@ class ShadowKVPool:
         self.chunk_pos[seg.chunk_slots] = (seg.start + torch.arange(n, device=self.device) * self.chunk_size).int()
         self.chunk_basis.index_fill_(0, seg.chunk_slots, seg.seg_id)  # (`t[idx] = int` copies a host scalar: a wait)
         self.host_slot[seg.chunk_slots] = to_device(torch.tensor(seg.host_slots, dtype=torch.int32), self.device)
+        if self.copies is not None:
+            self.copies.place(seg)
 
     # ---- parking: a segment's GPU state in host memory ---------------------------------------------
     def detach(self, seg: Segment, host_pages: list[int]) -> int:
@@ -289,6 +303,8 @@ class ShadowKVPool:
         """Give back its pages, host value slots and id (a parked one's host-tier pages are its
         releaser's: CacheManager)."""
         self.drop_values(seg)
+        if self.copies is not None:
+            self.copies.drop(seg)
         del self.live[seg.seg_id]
         self.kv.free(seg.pages)
         self._free_host.extend(reversed(seg.host_slots))
@@ -335,28 +351,38 @@ class ShadowKVPool:
     def write_host_values(self, layer: int, seg: Segment, values: torch.Tensor) -> None:
         """Copy the segment's values [num_tokens, Hkv, D] (token-major, as the dense pool holds
         them) into its host chunks in the host format ([n, Hkv, c, D], int8 with scales when the
-        pool is int8): one copy per run of consecutive host slots. On the GPU the copies go on a
-        side stream straight into pinned memory, so they overlap the next layers' work;
-        `wait_host_writes` orders later readers."""
+        pool is int8)."""
         if self.value_scale is not None:
             quantize = quantize_chunks if values.is_cuda else quantize_chunks_reference
             values, scale = quantize(values, self.chunk_size)
             self.value_scale[layer][seg.chunk_slots] = scale
         else:
             values = chunk_major(values, self.chunk_size).to(self.host_v[layer].dtype).contiguous()
+        self._write_host_runs(self.host_v[layer], seg.host_runs, values)
 
-        def copy_runs(non_blocking: bool):
-            for first, count, offset in seg.host_runs:
-                self.host_v[layer][first:first + count].copy_(values[offset:offset + count],
-                                                              non_blocking=non_blocking)
-
-        if self.d2h_stream is None or not values.is_cuda:
-            copy_runs(False)
+    def write_exact_copy(self, layer: int, seg: Segment, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy the segment's post-RoPE keys and values [num_tokens, Hkv, D], as the dense pool held
+        them, into its exact copy (nothing without one; values only where the host pool rounds them)."""
+        if self.copies is None or not seg.copy_slots:
             return
-        self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.d2h_stream):
-            copy_runs(True)
-        values.record_stream(self.d2h_stream)
+        self._write_host_runs(self.copies.k[layer], seg.copy_runs, chunk_major(keys.to(self.dtype), self.chunk_size))
+        if self.copies.v is not None:
+            self._write_host_runs(self.copies.v[layer], seg.copy_runs,
+                                  chunk_major(values.to(self.dtype), self.chunk_size))
+
+    def _write_host_runs(self, host: torch.Tensor, runs: list[tuple[int, int, int]], chunks: torch.Tensor) -> None:
+        """chunks [n, Hkv, c, D] into host slots: one copy per run of consecutive slots. On the GPU
+        the copies go on a side stream straight into pinned memory, so they overlap the next layers'
+        work; `wait_host_writes` orders later readers."""
+        chunks = chunks.contiguous()
+        on_side = self.d2h_stream is not None and chunks.is_cuda
+        if on_side:
+            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h_stream) if on_side else contextlib.nullcontext():
+            for first, count, offset in runs:
+                host[first:first + count].copy_(chunks[offset:offset + count], non_blocking=on_side)
+        if on_side:
+            chunks.record_stream(self.d2h_stream)
 
     def read_host_values(self, layer: int, seg: Segment, first: int, count: int) -> torch.Tensor:
         """Values [count, Hkv, c, D] of chunks first..first+count-1 of a segment, on the pool's
@@ -472,7 +498,11 @@ class ShadowKVPool:
                 "gpu_value_pages": sum(len(seg.value_pages) for seg in self.live.values()),
                 "gpu_value_segments": sum(bool(seg.value_pages) for seg in self.live.values()),
                 "chunk_slots": self.chunk_capacity, "free_chunk_slots": self.free_chunks,
-                "free_segments": self.free_segments, "slots_per_page": self.layout.slots_per_page}
+                "free_segments": self.free_segments, "slots_per_page": self.layout.slots_per_page,
+                **({} if self.copies is None else {
+                    "exact_copy_bytes": self.copies.nbytes(), "exact_copy_chunks": self.copies.capacity,
+                    "free_exact_copy_chunks": self.copies.free_chunks,
+                    "exact_copy_segments": len(self.copies.holders())})}
 
 
 def _storage_dtype(name: str, requested: torch.dtype | None, dtype: torch.dtype) -> torch.dtype:
@@ -480,15 +510,3 @@ def _storage_dtype(name: str, requested: torch.dtype | None, dtype: torch.dtype)
     if requested not in (None, dtype, torch.int8):
         raise ValueError(f"{name} must be the pool dtype or torch.int8, got {requested}")
     return requested or dtype
-
-
-def _contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """(first slot, count, offset in the list) of each run of consecutive slots."""
-    runs: list[tuple[int, int, int]] = []
-    for offset, slot in enumerate(slots):
-        if runs and runs[-1][0] + runs[-1][1] == slot:
-            first, count, start = runs[-1]
-            runs[-1] = (first, count + 1, start)
-        else:
-            runs.append((slot, 1, offset))
-    return runs

@@ -1,4 +1,5 @@
-"""Page-locked host tensors of exactly the asked size, for ShadowKV's host value pool.
+"""Page-locked host tensors of exactly the asked size, for ShadowKV's host value pool and exact
+copies; and the runs of consecutive host slots that a copy into them moves at once.
 
 torch's pinned allocator (`pin_memory=True`) rounds every block up to a power of two, so a 1.1 GiB
 layer of host values locks 2 GiB. The host pool is most of a machine's RAM, and on the lent H100
@@ -37,3 +38,14 @@ class PinnedHostTensor:
                 pass
             self._ptr = None
 
+
+def contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first slot, count, offset in the list) of each run of consecutive slots."""
+    runs: list[tuple[int, int, int]] = []
+    for offset, slot in enumerate(slots):
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            first, count, start = runs[-1]
+            runs[-1] = (first, count + 1, start)
+        else:
+            runs.append((slot, 1, offset))
+    return runs

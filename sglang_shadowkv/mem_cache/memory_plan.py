@@ -5,7 +5,9 @@ ShadowKV that one pool holds both forms of a document (dense pages, or compresse
 mem_cache/compressed_pool.py), so the split between them follows what is cached, and the sparse
 decoder's chunk-cache scratch takes its pages while compressed requests run; only the small
 per-page metadata of compressed state is set aside beside the pool. Compressed values live in
-page-locked host memory, `shadowkv_host_mem_fraction` of what the machine has available.
+page-locked host memory, `shadowkv_host_mem_fraction` of what the machine has available, and
+exact copies of compressed documents' keys and values (for questions' prefills) in
+`shadowkv_exact_copy_fraction` more.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class MemoryPlan:
     gpu_budget_bytes: int = 0
     host_budget_bytes: int = 0
     set_aside_bytes: int = 0  # ShadowKV's per-page metadata, beside the pool
+    copy_chunks: int = 0  # compressed chunks whose exact copies host memory holds (mem_cache/exact_copies.py)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

@@ -139,7 +139,9 @@ class ModelRunner:
         if self.device.type != "cuda":
             tokens = CPU_POOL_TOKENS_PER_CONTEXT * self.context_length
             host_chunks = 0 if skv is None else (skv.host_tokens or tokens) // skv.chunk_size
-            return MemoryPlan(tokens, host_chunks)
+            # sized in chunks as the values are: their fractions' ratio of the values' chunks
+            copies = 0 if skv is None else int(host_chunks * skv.exact_copy_fraction / skv.host_mem_fraction)
+            return MemoryPlan(tokens, host_chunks, copy_chunks=copies)
         gpu_budget = int(free_gpu_bytes(self.device) * args.mem_fraction_static)
         if skv is None:
             return self._same_on_every_rank(plan_gpu_memory(gpu_budget, bytes_per_token, 0))
@@ -148,18 +150,24 @@ class ModelRunner:
                        else int(available_host_bytes() * skv.host_mem_fraction / self.tp.size))
         # per page: each layer's outlier-block positions; per chunk slot (at most 64 a page) three int32s
         metadata = (4 * cfg.num_kv_heads * cfg.num_layers + 12 * 64) // skv.chunk_size + 1
-        plan = self._same_on_every_rank(plan_gpu_memory(gpu_budget, bytes_per_token, metadata, host_budget,
-                                                         host_per_chunk))
+        plan = plan_gpu_memory(gpu_budget, bytes_per_token, metadata, host_budget, host_per_chunk)
+        # an exact copy: each chunk's keys, and its values where the host pool rounds them (int8)
+        copy_per_chunk = host_bytes_per_chunk(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, skv.chunk_size,
+                                              self.dtype) * (1 if skv.host_value_torch_dtype is None else 2)
+        plan.copy_chunks = int(available_host_bytes() * skv.exact_copy_fraction / self.tp.size) // copy_per_chunk
+        plan = self._same_on_every_rank(plan)
         logger.info("memory: %d pool tokens (dense, compressed or chunk-cache scratch, %.1f GiB), "
-                    "%.1f GiB page-locked host for %d compressed chunks", plan.pool_tokens,
-                    plan.pool_tokens * bytes_per_token / 2**30, plan.host_chunks * host_per_chunk / 2**30,
-                    plan.host_chunks)
+                    "%.1f GiB page-locked host for %d compressed chunks, %.1f GiB for exact copies of %d",
+                    plan.pool_tokens, plan.pool_tokens * bytes_per_token / 2**30,
+                    plan.host_chunks * host_per_chunk / 2**30, plan.host_chunks,
+                    plan.copy_chunks * copy_per_chunk / 2**30, plan.copy_chunks)
         return plan
 
     def _same_on_every_rank(self, plan: MemoryPlan) -> MemoryPlan:
         """The plan every rank can hold (the least over ranks): the pools must be of one size on
         all ranks, or their caches, evictions and demotions would part."""
-        plan.pool_tokens, plan.host_chunks = self.tp.min_over_ranks(plan.pool_tokens, plan.host_chunks)
+        plan.pool_tokens, plan.host_chunks, plan.copy_chunks = self.tp.min_over_ranks(
+            plan.pool_tokens, plan.host_chunks, plan.copy_chunks)
         return plan
 
     def _build_host_tier(self, args: ServerArgs) -> HostKVPool:
@@ -185,7 +193,8 @@ class ModelRunner:
         cfg, skv = self.config, self.shadowkv_config
         start = time.perf_counter()
         self.compressed_pool = ShadowKVPool(self.pool, skv.max_rank(cfg.kv_dim), self.memory_plan.host_chunks,
-                                            MAX_SEGMENTS, skv.host_value_torch_dtype, skv.landmark_torch_dtype)
+                                            MAX_SEGMENTS, skv.host_value_torch_dtype, skv.landmark_torch_dtype,
+                                            self.memory_plan.copy_chunks)
         self.decoder = SparseDecoder(self.compressed_pool, skv, self.model.rotary,
                                      skv.max_requests or max_running_requests,
                                      self.context_length // skv.chunk_size, self.device.type == "cuda")

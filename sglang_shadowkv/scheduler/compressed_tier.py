@@ -167,11 +167,14 @@ class CompressedTier:
     def admit(self, req: Req, plan: AdmissionPlan, entries: list) -> ShadowKVReqState | None:
         """Take the plan's segment and a scratch row with its pages (None, nothing taken, when
         either is short: the request waits). A suffix over matched chunks attends them exactly when
-        it is long, or when the request scores its prompt (logprobs)."""
+        it is long, or when the request scores its prompt (logprobs); over their exact copies when
+        they have them (its own segment's copy is never taken from them)."""
         seg = None
+        layout = build_layout(entries, self.cfg.chunk_size) if plan.matched_chunks else None
         if plan.own_span:
             self.free_value_slots(plan.own_span // self.cfg.chunk_size)
-            seg = self.store.alloc_segment(plan.start, plan.own_span, self.cfg.num_outliers(plan.own_span // self.cfg.chunk_size))
+            seg = self.store.alloc_segment(plan.start, plan.own_span, self.cfg.num_outliers(plan.own_span // self.cfg.chunk_size),
+                                           keep_copies=layout.segments if layout else ())
             if seg is None:
                 return None
         row = self.decoder.alloc_row()
@@ -180,12 +183,14 @@ class CompressedTier:
                 self.store.free_segment(seg)
             return None
         state = ShadowKVReqState(row, seg)
-        if plan.matched_chunks:
-            state.layout = build_layout(entries, self.cfg.chunk_size)
+        if layout is not None:
+            state.layout = layout
             suffix = len(req.input_ids) - plan.start
             state.exact_prefill = suffix > self.cfg.sparse_prefill_max or (
                 req.logprob is not None and not req.logprob.input_done)
             self.counters.compressed_prefix_hits += 1
+            if state.exact_prefill and self.store.copies is not None and all(s.copy_slots for s in layout.segments):
+                self.counters.exact_copy_hits += 1
             self.counters.compressed_tokens_reused += state.layout.num_chunks * self.cfg.chunk_size
         return state
 

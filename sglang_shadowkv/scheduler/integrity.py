@@ -135,6 +135,11 @@ def _check_compressed(errors: list[str], cache: Pools, tree_entries: list, owned
     _check_once(errors, "segment", range(store.max_segments), free["segments"], [s.seg_id for s in segments])
     _check_once(errors, "host slot", range(1, store.chunk_capacity + 1), free["host_slots"],
                 [slot for s in segments for slot in s.host_slots])
+    if store.copies is not None:
+        _check_once(errors, "exact copy slot", range(1, store.copies.capacity + 1), free["copy_slots"],
+                    [slot for s in segments for slot in s.copy_slots])
+        if {id(s) for s in store.copies.holders()} != {id(s) for s in segments if s.copy_slots}:
+            errors.append("exact copies: the holders are not the live segments with copy slots")
     scratch = [r.shadowkv.scratch_row for r in running if r.shadowkv is not None]
     _check_once(errors, "scratch row", range(decoder.max_rows), decoder.free_row_ids(), scratch)
 

@@ -218,8 +218,8 @@ class SegmentCompression:
 
     def add_layer(self, layer: int, k_post: torch.Tensor, v: torch.Tensor) -> None:
         """Compress the segment's keys/values [num_tokens, H, D] of one layer, all but its low-rank
-        keys and outliers: landmarks and host values now, the keys' Gram matrix and the landmarks'
-        fit for `finish`."""
+        keys and outliers: landmarks, host values and the exact copy now, the keys' Gram matrix
+        and the landmarks' fit for `finish`."""
         pool, seg, i = self.pool, self.seg, self.index[layer]
         k_pre = self._pre_rope_keys(k_post)
         if self.svd:
@@ -229,6 +229,7 @@ class SegmentCompression:
         landmarks, self.min_cos[i] = chunk_landmarks(k_post, pool.chunk_size)
         pool.write_landmarks(layer, seg, landmarks)
         pool.write_host_values(layer, seg, v.to(pool.dtype))
+        pool.write_exact_copy(layer, seg, k_post, v)
         self.added += 1
 
     def finish(self, kv_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:

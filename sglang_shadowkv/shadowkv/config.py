@@ -29,6 +29,14 @@ DEFAULT_MAX_BUDGET = 256
 # 0.889 to 0.915 at 4K and from 0.944 to 0.960 at 8K (without it: spans to the last whole chunk). It
 # costs up to a grid step of tokens more held dense per compressed prompt (64 MB on the 8B shape).
 DEFAULT_SPAN_GRID = 512
+# Exact copies (mem_cache/exact_copies.py): a question's prefill over a cached compressed document
+# reads the keys and values its cold prefill reads. On RULER (embedded model, H200, float32) hit =
+# cold greedy tokens went from 0.915 to 0.992 at 4K and from 0.960 to 0.982 at 8K; a question's first
+# token on a 16K document of the 8B shape took 66 ms against 27 ms without (full attention 66). With
+# the host values (0.5), three quarters of the host's available memory page-locked. A token's copy is
+# 128 KB on the 8B shape (bf16 keys and values), so a 128 GiB machine keeps copies of about 240K
+# tokens: its 15 most recently used 16K documents.
+DEFAULT_EXACT_COPY_FRACTION = 0.25
 LOWRANK_METHODS = ("auto", "eigh", "subspace", "svd")
 COMPRESS_POLICIES = ("tier", "eager")
 # None: the model dtype; int8: a scale per chunk and KV head. "auto" is resolved by the model runner:
@@ -74,6 +82,14 @@ class ShadowKVConfig:
                                      "(default: from the device and --shadowkv-host-mem-fraction)")
     host_mem_fraction: float = _field(0.5, "with --shadowkv-host-tokens unset on a GPU: the share of the machine's "
                                       "available memory page-locked for compressed values")
+    exact_copy_fraction: float = _field(DEFAULT_EXACT_COPY_FRACTION, "on a GPU: the share of the machine's "
+                                        "available memory page-locked for exact copies of compressed documents' keys "
+                                        "and values, which a question's prefill over a cached compressed document "
+                                        "reads, so that it computes the question as the same prompt sent cold does "
+                                        "(the most recently used documents keep theirs; a document without one is "
+                                        "read compressed). 0: no copies. On a CPU, where the pools are sized in "
+                                        "chunks, copies of this fraction's ratio to --shadowkv-host-mem-fraction of "
+                                        "the values' chunks")
     max_requests: int | None = _field(None, "most requests decoding from compressed state at once (default: "
                                       "--max-running-requests); each takes its chunk-cache scratch (a page per "
                                       "chunk of the budget's cap) from the KV pool while it runs")
@@ -127,6 +143,12 @@ class ShadowKVConfig:
             raise bad("sparse_prefill_max", "a non-negative int", self.sparse_prefill_max)
         if not isinstance(self.host_mem_fraction, (int, float)) or not 0.0 < self.host_mem_fraction < 1.0:
             raise bad("host_mem_fraction", "in (0, 1)", self.host_mem_fraction)
+        if not isinstance(self.exact_copy_fraction, (int, float)) or not 0.0 <= self.exact_copy_fraction < 1.0:
+            raise bad("exact_copy_fraction", "in [0, 1)", self.exact_copy_fraction)
+        if self.host_mem_fraction + self.exact_copy_fraction >= 1.0:
+            raise ValueError(f"shadowkv_host_mem_fraction + shadowkv_exact_copy_fraction must be below 1 (the "
+                             f"server needs host memory too), got {self.host_mem_fraction} + "
+                             f"{self.exact_copy_fraction}")
 
     @property
     def host_value_torch_dtype(self):

@@ -352,24 +352,44 @@ class SparseDecoder:
         the memory's rows [R], on two streams when on a GPU."""
         pool = self.pool
         rebuild_fn = rk.rebuild_keys if self.use_triton else rk.rebuild_keys_reference
+        self._beside_value_gather(
+            jobs, rows, lambda: self._gather(pool.host_v[layer], pool.host_slot, jobs, memory.blocks_v, memory, rows,
+                                             None if pool.value_scale is None else pool.value_scale[layer],
+                                             pool.resident(layer), live),
+            lambda: rebuild_fn(pool.a_lo[layer], pool.a_hi[layer], *pool.basis_memory(layer), self.rotary.cos_cache,
+                               self.rotary.sin_cache, pool.chunk_pos, pool.chunk_basis, jobs, memory.blocks_k,
+                               memory.pages, rows, pool.basis_rank[layer], live))
+
+    def fetch_copies(self, jobs: torch.Tensor, layer: int, rows: torch.Tensor, memory: ChunkMemory) -> None:
+        """As `fetch`, from the chunks' exact copies (every job's segment has one: exact_copies.py):
+        their keys as the dense pool held them, their values unrounded."""
+        pool, copies = self.pool, self.pool.copies
+        if copies.v is not None:
+            values = (copies.v[layer], copies.slot_of, None)
+        else:  # the host pool holds them exactly
+            values = (pool.host_v[layer], pool.host_slot, pool.resident(layer))
+        self._beside_value_gather(
+            jobs, rows, lambda: self._gather(values[0], values[1], jobs, memory.blocks_v, memory, rows, None, values[2]),
+            lambda: self._gather(copies.k[layer], copies.slot_of, jobs, memory.blocks_k, memory, rows))
+
+    def _gather(self, host: torch.Tensor, host_slot: torch.Tensor, jobs: torch.Tensor, blocks: torch.Tensor,
+                memory: ChunkMemory, rows: torch.Tensor, scale: torch.Tensor | None = None,
+                resident: tuple | None = None, live: torch.Tensor | None = None) -> None:
         gather_fn = gv.gather_values if self.use_triton else gv.gather_values_reference
+        gather_fn(host, host_slot, jobs, blocks, memory.pages, rows, scale, resident=resident, live=live)
 
-        def gather():
-            gather_fn(pool.host_v[layer], pool.host_slot, jobs, memory.blocks_v, memory.pages, rows,
-                      None if pool.value_scale is None else pool.value_scale[layer], resident=pool.resident(layer),
-                      live=live)
-
+    def _beside_value_gather(self, jobs: torch.Tensor, rows: torch.Tensor, gather_values, fill_keys) -> None:
+        """Run gather_values on the copy stream while fill_keys runs on the compute stream (both
+        here, in order, off a GPU); the compute stream then waits for both."""
         if self.copy_stream is None:
-            gather()
-        else:
-            main = torch.cuda.current_stream(pool.device)
-            self.copy_stream.wait_stream(main)
-            with torch.cuda.stream(self.copy_stream):
-                gather()
-            jobs.record_stream(self.copy_stream)
-            rows.record_stream(self.copy_stream)
-        rebuild_fn(pool.a_lo[layer], pool.a_hi[layer], *pool.basis_memory(layer), self.rotary.cos_cache,
-                   self.rotary.sin_cache, pool.chunk_pos, pool.chunk_basis, jobs, memory.blocks_k,
-                   memory.pages, rows, pool.basis_rank[layer], live)
-        if self.copy_stream is not None:
-            torch.cuda.current_stream(pool.device).wait_stream(self.copy_stream)
+            gather_values()
+            fill_keys()
+            return
+        main = torch.cuda.current_stream(self.pool.device)
+        self.copy_stream.wait_stream(main)
+        with torch.cuda.stream(self.copy_stream):
+            gather_values()
+        jobs.record_stream(self.copy_stream)
+        rows.record_stream(self.copy_stream)
+        fill_keys()
+        main.wait_stream(self.copy_stream)

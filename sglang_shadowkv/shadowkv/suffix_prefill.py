@@ -10,12 +10,15 @@ key sets):
   holds).
 - the compressed chunks. An `exact` request (every suffix at the default
   shadowkv_sparse_prefill_max 0; past it a longer one, or one that asks for prompt logprobs)
-  attends every chunk: exact attention over the compressed document (keys rebuilt from their
-  low-rank factors), none left out, as none is in the same question's cold prefill. The
-  step's exact requests are one round, whose documents (each once, however many of its
-  questions the step holds) are rebuilt into a workspace of the step's own, at most
-  WORKSPACE_BYTES at a time, and attended by the sparse decode kernel with every query of a
-  request reading them, the outliers in the same pass: a few launches a layer.
+  attends every chunk: exact attention over the compressed document, none left out, as none is
+  in the cold prefill. Its keys and values are gathered from the documents' exact copies in host
+  memory where every segment of them has one (then it attends the very keys and values the same
+  question's cold prefill does: mem_cache/exact_copies.py), else keys rebuilt from their
+  low-rank factors and the stored values. The step's exact requests are one round, whose
+  documents (each once, however many of its questions the step holds) are fetched into a
+  workspace of the step's own, at most WORKSPACE_BYTES at a time, and attended by the sparse
+  decode kernel with every query of a request reading them, the outliers in the same pass: a
+  few launches a layer.
   Otherwise the chunks are read the way decode reads them: per tile of TILE suffix queries, the
   landmark softmax mass summed over the tile's queries (max over each KV group) picks the budget's
   best chunks per KV head; their keys are rebuilt and values fetched into the request's own
@@ -130,7 +133,7 @@ class SuffixRound:
 
 @dataclass
 class Workspace:
-    """Where an exact round's documents are rebuilt, layer by layer: each distinct document once,
+    """Where an exact round's documents are fetched, layer by layer: each distinct document once,
     however many of its questions the step holds, a piece of `width` chunk columns at a time."""
     slots: torch.Tensor  # [D, pieces·width] long: each document's chunk slots, null-slot padded
     docs: torch.Tensor  # [R] int32: each request's document (its row of `memory`)
@@ -140,10 +143,11 @@ class Workspace:
     fetch_rows: torch.Tensor  # [D·width/r] int32
     columns: torch.Tensor  # [width] int32
     no_outliers: torch.Tensor  # [R, Hkv, O] all -1: the pieces after the first
+    from_copies: bool  # its documents' chunks are gathered from their exact copies, not rebuilt
 
     @classmethod
     def over(cls, slots: torch.Tensor, docs: torch.Tensor, width: int, blocks: tuple[torch.Tensor, torch.Tensor],
-             outliers: torch.Tensor) -> "Workspace":
+             outliers: torch.Tensor, from_copies: bool) -> "Workspace":
         """A workspace of `blocks` (K and V: D·width·Hkv blocks each) for documents' chunk slots
         [D, pieces·width] and requests' documents [R]; outliers [R, Hkv, O] gives the shape of
         the pieces' none."""
@@ -152,7 +156,7 @@ class Workspace:
         row = min(FETCH_ENTRIES, width)
         return cls(slots, docs, width, ChunkMemory(*blocks, pages.view(-1, width)),
                    ChunkMemory(*blocks, pages.view(-1, row)), pages[:pages.numel() // row],
-                   torch.arange(width, dtype=torch.int32, device=dev), torch.full_like(outliers, -1))
+                   torch.arange(width, dtype=torch.int32, device=dev), torch.full_like(outliers, -1), from_copies)
 
 
 def documents_of(layouts: list[CompressedLayout]) -> tuple[list[int], list[int]]:
@@ -195,7 +199,7 @@ class SuffixPrefill:
     def __init__(self, decoder: SparseDecoder, use_triton: bool):
         self.decoder, self.use_triton = decoder, use_triton
         self.graph: SuffixGraphBuffers | None = None
-        self._static_plans: dict[tuple, SuffixPlan] = {}  # by (requests, tokens, width, documents)
+        self._static_plans: dict[tuple, SuffixPlan] = {}  # by (requests, tokens, width, documents, from_copies)
         self._static_blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # exact graph steps' workspace
 
     # ---- once per step ------------------------------------------------------------------------
@@ -248,7 +252,12 @@ class SuffixPrefill:
         doc_slots = slots[to_device(torch.tensor(distinct), dev)].long()
         doc_slots = torch.nn.functional.pad(doc_slots, (0, -doc_slots.shape[1] % width), value=pool.null_slot)
         return Workspace.over(doc_slots, to_device(torch.tensor(docs, dtype=torch.int32), dev), width,
-                              self._new_blocks(len(distinct) * width), outliers)
+                              self._new_blocks(len(distinct) * width), outliers, self.reads_copies(layouts))
+
+    def reads_copies(self, layouts: list[CompressedLayout]) -> bool:
+        """Whether an exact round over these prefixes gathers their exact copies: every segment
+        they hold has one (mem_cache/exact_copies.py), else every chunk is rebuilt."""
+        return self.decoder.pool.copies is not None and all(seg.copy_slots for lay in layouts for seg in lay.segments)
 
     def _new_blocks(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh K and V blocks for `columns` document chunk columns, every KV head (the pool's block
@@ -280,14 +289,15 @@ class SuffixPrefill:
             torch.zeros(r, dtype=torch.int64, device=dev),
             torch.full((r, decoder.max_chunks), decoder.pool.null_slot, dtype=torch.long, device=dev), ints(r))
 
-    @staticmethod
-    def graph_documents(reqs: list[SuffixRequest]) -> int | None:
-        """The documents an exact graph step of these requests holds: their distinct documents,
-        rounded up to a count of GRAPH_REQUESTS (None: a selecting step)."""
+    def graph_documents(self, reqs: list[SuffixRequest]) -> tuple[int, bool] | None:
+        """The documents an exact graph step of these requests holds (their distinct documents,
+        rounded up to a count of GRAPH_REQUESTS) and whether it reads their exact copies (None: a
+        selecting step)."""
         if not any(req.exact for req in reqs):
             return None
-        distinct = len(documents_of([req.layout for req in reqs])[1])
-        return next(n for n in GRAPH_REQUESTS if n >= distinct)
+        layouts = [req.layout for req in reqs]
+        distinct = len(documents_of(layouts)[1])
+        return next(n for n in GRAPH_REQUESTS if n >= distinct), self.reads_copies(layouts)
 
     def graph_fits(self, reqs: list[SuffixRequest], width: int, documents: int | None = None) -> bool:
         """Whether the graph buffers hold these requests' plan with `width` chunk columns: selecting
@@ -306,16 +316,17 @@ class SuffixPrefill:
                    for req in reqs)
 
     def plan_static(self, table: ReqToTokenPool, reqs: list[SuffixRequest], q_indptr: torch.Tensor, tokens: int,
-                    width: int, padding_row: int, documents: int | None = None) -> SuffixPlan:
+                    width: int, padding_row: int, documents: int | None = None,
+                    from_copies: bool = False) -> SuffixPlan:
         """The plan of a graph step of suffixes of `tokens` query rows each (q_indptr [R + 1]: the
         graph batch's, i * tokens; sizes from GRAPH_REQUESTS and GRAPH_TOKENS), written into the
         fixed buffers. A suffix's real queries come first; its padding queries come last and
         attend only slots of the reserved page, appended after its keys, so the causal rule keeps
         them invisible to the real ones. Requests past len(reqs) are all padding (a capture:
-        none). An exact step (documents: graph_documents) writes its distinct documents' chunk
-        slots and each suffix's document; its workspace is one buffer every exact graph shares.
-        The plan's shapes depend only on (R, tokens, width, documents), so every step of that
-        shape replays one graph."""
+        none). An exact step (documents, from_copies: graph_documents) writes its distinct
+        documents' chunk slots and each suffix's document; its workspace is one buffer every exact
+        graph shares. The plan's shapes depend only on (R, tokens, width, documents, from_copies),
+        so every step of that shape replays one graph."""
         g, decoder, dev = self.graph, self.decoder, self.decoder.pool.device
         num = q_indptr.numel() - 1
         n_q = [r.seq_len - r.start for r in reqs] + [0] * (num - len(reqs))
@@ -342,12 +353,13 @@ class SuffixPrefill:
             distinct_slots = slots[to_device(torch.tensor(distinct, dtype=torch.long), dev)]
             copy_padded(g.doc_slots[:documents, :width], distinct_slots, decoder.pool.null_slot)
             g.docs[:num].copy_(to_device(torch.tensor(docs + [0] * (num - len(reqs)), dtype=torch.int32), dev))
-        key = (num, tokens, width, documents)
+        key = (num, tokens, width, documents, from_copies)
         if key not in self._static_plans:
-            self._static_plans[key] = self._static_plan(q_indptr, tokens, width, documents)
+            self._static_plans[key] = self._static_plan(q_indptr, tokens, width, documents, from_copies)
         return self._static_plans[key]
 
-    def _static_plan(self, q_indptr: torch.Tensor, tokens: int, width: int, documents: int | None) -> SuffixPlan:
+    def _static_plan(self, q_indptr: torch.Tensor, tokens: int, width: int, documents: int | None,
+                     from_copies: bool) -> SuffixPlan:
         """The plan's tensors for one graph shape: views of the buffers, and constant indices. An
         exact step is one round of every query, over a workspace in the shared blocks."""
         g, dev, r = self.graph, self.decoder.pool.device, q_indptr.numel() - 1
@@ -361,7 +373,7 @@ class SuffixPrefill:
                                       self.decoder.cfg.budget_chunks(width)))
         if documents is not None:
             rounds[0].workspace = Workspace.over(g.doc_slots[:documents, :width], g.docs[:r], width,
-                                                 self._graph_blocks(documents * width), g.outliers[0][:r])
+                                                 self._graph_blocks(documents * width), g.outliers[0][:r], from_copies)
         return SuffixPlan(torch.arange(r * tokens, device=dev), q_indptr, g.dense_indptr[:r + 1], g.dense_slots,
                           rounds, tokens)
 
@@ -444,18 +456,19 @@ class SuffixPrefill:
                      kv_pool: PagedKVPool):
         """An exact round's attention over every selectable chunk of its documents and its
         outliers, as (output [R, t, Hq, D] float32, lse [R, t, Hq]) parts to merge: a piece of
-        chunk columns at a time, its keys rebuilt and values gathered into the round's
-        workspace (fetched as rows of at most FETCH_ENTRIES columns: the rows decode's fetches
+        chunk columns at a time, its keys rebuilt and values gathered (or both gathered from the
+        documents' exact copies) into the round's workspace (fetched as rows of at most FETCH_ENTRIES columns: the rows decode's fetches
         have at the default budget cap, compiled at the server's warmup), the outliers read from
         the pool with the first piece."""
         ws, hkv = rnd.workspace, self.decoder.pool.num_kv_heads
         ok = self.decoder.pool.selectable[layer][ws.slots].transpose(1, 2) != 0  # [D, Hkv, columns]
         jobs = torch.where(ok, ws.slots[:, None, :], -1).contiguous()  # (ok's layout is the transpose's)
         row = ws.fetch_memory.pages.shape[1]
+        fetch = self.decoder.fetch_copies if ws.from_copies else self.decoder.fetch
         for k, a in enumerate(range(0, jobs.shape[2], ws.width)):
             piece = jobs[:, :, a:a + ws.width]
             rows = piece.reshape(piece.shape[0], hkv, ws.width // row, row).transpose(1, 2).reshape(-1, hkv, row)
-            self.decoder.fetch(rows, layer, ws.fetch_rows, ws.fetch_memory)
+            fetch(rows, layer, ws.fetch_rows, ws.fetch_memory)
             entries = torch.where(piece >= 0, ws.columns, -1)[ws.docs]  # [R, Hkv, width]
             yield self._compressed_tiles(qt, layer, outliers if k == 0 else ws.no_outliers, ws.docs, entries, kv_pool,
                                          ws.memory)

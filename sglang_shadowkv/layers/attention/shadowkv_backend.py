@@ -30,7 +30,8 @@ from .base import NO_GRAPH, AttentionBackend, ForwardBatch
 
 DENSE_GRAPH = "dense"  # graph variants (DENSE_GRAPH, v): batches without a compressed prefix
 SUFFIX_GRAPH = "suffix"  # graph variants (SUFFIX_GRAPH, width): suffixes over compressed prefixes, selecting
-# graph variants (EXACT_SUFFIX_GRAPH, width, documents): suffixes attending every chunk of their documents
+# graph variants (EXACT_SUFFIX_GRAPH, width, documents, from_copies): suffixes attending every chunk of their
+# documents, rebuilt or from their exact copies
 EXACT_SUFFIX_GRAPH = "exact_suffix"
 # graph variants (LONG_WINDOW_GRAPH, width): decode batches with a long dense window (decode.window_splits);
 # a plain width: the other decode batches with a compressed prefix
@@ -147,8 +148,11 @@ class ShadowKVAttentionBackend(AttentionBackend):
         per compile class, and of the tile scoring. On the H100 a chat's first question over a
         17K document waited 1.5 s for it (SGLang's client, every step in flight waiting too). No
         selection when every suffix attends every chunk (shadowkv_sparse_prefill_max 0, the
-        default); the exact step's kernels are the same at every width (compile_variant)."""
-        exact = [(EXACT_SUFFIX_GRAPH, self._graph_widths[0], 1)]
+        default); the exact step's kernels are the same at every width (compile_variant), one set
+        gathering documents' exact copies (the default) and one rebuilding them (a document whose
+        copy went, or no copies)."""
+        copies = [True, False] if self.decoder.pool.copies is not None else [False]
+        exact = [(EXACT_SUFFIX_GRAPH, self._graph_widths[0], 1, from_copies) for from_copies in copies]
         if self.cfg.sparse_prefill_max == 0:
             return exact
         return [(SUFFIX_GRAPH, w) for w in self._widest_of_each_compile_class()] + exact
@@ -162,8 +166,8 @@ class ShadowKVAttentionBackend(AttentionBackend):
         width startup compiles (compile_graph_variants), stands for them."""
         if isinstance(variant, tuple) and variant[0] == DENSE_GRAPH:
             return variant
-        if isinstance(variant, tuple) and variant[0] == EXACT_SUFFIX_GRAPH:
-            return EXACT_SUFFIX_GRAPH  # rows of FETCH_ENTRIES columns and entries of whole rows at any width
+        if isinstance(variant, tuple) and variant[0] == EXACT_SUFFIX_GRAPH:  # rows of FETCH_ENTRIES columns
+            return EXACT_SUFFIX_GRAPH, variant[3]  # and entries of whole rows at any width
         kind, width = variant if isinstance(variant, tuple) else (None, variant)
         widest = self._class_widest[cs.compile_class(width)]
         return widest if kind is None else (kind, widest)
@@ -189,7 +193,8 @@ class ShadowKVAttentionBackend(AttentionBackend):
     def suffix_graph_variant(self, batch: ForwardBatch):
         """A graph batch of suffixes (each padded in place) replays (SUFFIX_GRAPH, the smallest
         chunk width that holds every compressed prefix), or, when they attend every chunk,
-        (EXACT_SUFFIX_GRAPH, that width, their documents: SuffixPrefill.graph_documents); unless
+        (EXACT_SUFFIX_GRAPH, that width, their documents, whether it reads their exact copies:
+        SuffixPrefill.graph_documents); unless
         one needs the eager path: a prompt that compresses itself this step, selecting and exact
         suffixes in one step, or documents that do not fit the exact step's workspace."""
         reqs = []
@@ -201,10 +206,10 @@ class ShadowKVAttentionBackend(AttentionBackend):
             reqs.append(self._suffix_request(batch, i))
         need = max(r.layout.num_chunks for r in reqs)
         width = next((w for w in self._graph_widths if w >= need), None)
-        documents = self.suffix.graph_documents(reqs)
-        if width is None or not self.suffix.graph_fits(reqs, width, documents):
+        exact = self.suffix.graph_documents(reqs)
+        if width is None or not self.suffix.graph_fits(reqs, width, None if exact is None else exact[0]):
             return NO_GRAPH
-        return (SUFFIX_GRAPH, width) if documents is None else (EXACT_SUFFIX_GRAPH, width, documents)
+        return (SUFFIX_GRAPH, width) if exact is None else (EXACT_SUFFIX_GRAPH, width, *exact)
 
     def begin_graph_step(self, batch: ForwardBatch, variant) -> None:
         self.dense_batch = self.dense_rows = self.plan = self.sparse_rows = self.suffix_plan = None
@@ -213,7 +218,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
             reqs = [self._suffix_request(batch, i) for i in range(batch.batch_size) if batch.extend_lens[i]]
             self.suffix_plan = self.suffix.plan_static(
                 self.req_to_token, reqs, batch.q_indptr, len(batch.input_ids) // batch.batch_size, variant[1],
-                self.req_to_token.padding_row, variant[2] if variant[0] == EXACT_SUFFIX_GRAPH else None)
+                self.req_to_token.padding_row, *variant[2:])
             return
         if isinstance(variant, tuple) and variant[0] == DENSE_GRAPH:  # the dense backend's variant
             self.dense.begin_graph_step(batch, variant[1])
