@@ -108,15 +108,18 @@ def test_exact_copies_keep_the_most_recently_used_segments_and_give_back_their_k
     pool = _compressed_pool(value_dtype=torch.int8, copy_chunks=8)
     copies = pool.copies
     assert copies.v is not None and copies.capacity == 8  # int8 host values: the copies hold values too
-    older, newer = pool.alloc_segment(0, 16, 1), pool.alloc_segment(0, 16, 1)
-    older.last_use, newer.last_use = 1, 2
-    assert copies.free_chunks == 0
-    third = pool.alloc_segment(0, 12, 1)  # the least recently used copy goes
+    compressing, older = pool.alloc_segment(0, 8, 1), pool.alloc_segment(0, 16, 1)
+    older.last_use = 1  # `compressing` is not done yet: never used (0), its copy goes last
+    assert copies.free_chunks == 2
+    newer = pool.alloc_segment(0, 12, 1)  # the least recently used copy goes
     assert not older.copy_slots and (copies.slot_of[older.chunk_slots] == 0).all()
-    assert len(newer.copy_slots) == 4 and copies.slot_of[third.chunk_slots].tolist() == third.copy_slots
-    pool.free_segment(older)
+    assert len(compressing.copy_slots) == 2 and copies.slot_of[newer.chunk_slots].tolist() == newer.copy_slots
+    for seg in (older, compressing):
+        pool.free_segment(seg)
+    third = pool.alloc_segment(0, 12, 1)
+    assert copies.free_chunks == 2 and copies.slot_of[third.chunk_slots].tolist() == third.copy_slots
     kept = pool.alloc_segment(0, 16, 1, keep_copies=[newer, third])  # room only by dropping those
-    assert not kept.copy_slots and len(newer.copy_slots) == 4 and len(third.copy_slots) == 3
+    assert not kept.copy_slots and len(newer.copy_slots) == len(third.copy_slots) == 3
     gen = torch.Generator().manual_seed(3)
     keys, values = torch.randn(12, 2, 8, generator=gen), torch.randn(12, 2, 8, generator=gen)
     pool.write_exact_copy(0, third, keys, values)
@@ -206,6 +209,8 @@ def test_config_sizes_and_errors():
     assert grid.compressed_len(131, 8) == 96 and grid.compressed_len(105, 8) == 48 and grid.compressed_len(105, 32) == 0
     assert ShadowKVConfig().span_grid == 512
     assert cfg.budget_chunks(20) == 4 and cfg.budget_chunks(100) == 10 and cfg.budget_chunks(3) == 3
+    assert ShadowKVConfig().copy_fraction == 0.25 and ShadowKVConfig(exact_copy_fraction=0.0).copy_fraction == 0
+    assert ShadowKVConfig(host_mem_fraction=0.8).copy_fraction == pytest.approx(0.1)  # half of what values leave
     default = ShadowKVConfig()  # the energy rule's cap: the paper's 160, scaled up past 1024 key dims
     assert default.max_rank(1024) == 160 and default.max_rank(192) == 160 and default.max_rank(2048) == 320
     assert default.max_rank(96) == 96

@@ -74,7 +74,8 @@ class ExactCopies:
         spare = sum(s.num_chunks for s in self._holders.values() if s.seg_id not in kept)
         if n > len(self._free) + spare:
             return False
-        for victim in sorted(self._holders.values(), key=lambda s: s.last_use):
+        # least recently used first; a segment still being compressed (never used yet: 0) last
+        for victim in sorted(self._holders.values(), key=lambda s: s.last_use or float("inf")):
             if len(self._free) >= n:
                 break
             if victim.seg_id not in kept:

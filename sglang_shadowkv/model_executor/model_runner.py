@@ -140,7 +140,7 @@ class ModelRunner:
             tokens = CPU_POOL_TOKENS_PER_CONTEXT * self.context_length
             host_chunks = 0 if skv is None else (skv.host_tokens or tokens) // skv.chunk_size
             # sized in chunks as the values are: their fractions' ratio of the values' chunks
-            copies = 0 if skv is None else int(host_chunks * skv.exact_copy_fraction / skv.host_mem_fraction)
+            copies = 0 if skv is None else int(host_chunks * skv.copy_fraction / skv.host_mem_fraction)
             return MemoryPlan(tokens, host_chunks, copy_chunks=copies)
         gpu_budget = int(free_gpu_bytes(self.device) * args.mem_fraction_static)
         if skv is None:
@@ -154,7 +154,7 @@ class ModelRunner:
         # an exact copy: each chunk's keys, and its values where the host pool rounds them (int8)
         copy_per_chunk = host_bytes_per_chunk(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, skv.chunk_size,
                                               self.dtype) * (1 if skv.host_value_torch_dtype is None else 2)
-        plan.copy_chunks = int(available_host_bytes() * skv.exact_copy_fraction / self.tp.size) // copy_per_chunk
+        plan.copy_chunks = int(available_host_bytes() * skv.copy_fraction / self.tp.size) // copy_per_chunk
         plan = self._same_on_every_rank(plan)
         logger.info("memory: %d pool tokens (dense, compressed or chunk-cache scratch, %.1f GiB), "
                     "%.1f GiB page-locked host for %d compressed chunks, %.1f GiB for exact copies of %d",

@@ -82,14 +82,15 @@ class ShadowKVConfig:
                                      "(default: from the device and --shadowkv-host-mem-fraction)")
     host_mem_fraction: float = _field(0.5, "with --shadowkv-host-tokens unset on a GPU: the share of the machine's "
                                       "available memory page-locked for compressed values")
-    exact_copy_fraction: float = _field(DEFAULT_EXACT_COPY_FRACTION, "on a GPU: the share of the machine's "
-                                        "available memory page-locked for exact copies of compressed documents' keys "
-                                        "and values, which a question's prefill over a cached compressed document "
-                                        "reads, so that it computes the question as the same prompt sent cold does "
-                                        "(the most recently used documents keep theirs; a document without one is "
-                                        "read compressed). 0: no copies. On a CPU, where the pools are sized in "
-                                        "chunks, copies of this fraction's ratio to --shadowkv-host-mem-fraction of "
-                                        "the values' chunks")
+    exact_copy_fraction: float | None = _field(None, "on a GPU: the share of the machine's available memory "
+                                               "page-locked for exact copies of compressed documents' keys and "
+                                               "values, which a question's prefill over a cached compressed document "
+                                               "reads, so that it computes the question as the same prompt sent cold "
+                                               "does (the most recently used documents keep theirs; a document "
+                                               "without one is read compressed). Default: 0.25, or half of what "
+                                               "--shadowkv-host-mem-fraction leaves if less; 0: no copies. On a CPU, "
+                                               "where the pools are sized in chunks, copies of this share's ratio to "
+                                               "--shadowkv-host-mem-fraction of the values' chunks")
     max_requests: int | None = _field(None, "most requests decoding from compressed state at once (default: "
                                       "--max-running-requests); each takes its chunk-cache scratch (a page per "
                                       "chunk of the budget's cap) from the KV pool while it runs")
@@ -143,12 +144,22 @@ class ShadowKVConfig:
             raise bad("sparse_prefill_max", "a non-negative int", self.sparse_prefill_max)
         if not isinstance(self.host_mem_fraction, (int, float)) or not 0.0 < self.host_mem_fraction < 1.0:
             raise bad("host_mem_fraction", "in (0, 1)", self.host_mem_fraction)
-        if not isinstance(self.exact_copy_fraction, (int, float)) or not 0.0 <= self.exact_copy_fraction < 1.0:
-            raise bad("exact_copy_fraction", "in [0, 1)", self.exact_copy_fraction)
-        if self.host_mem_fraction + self.exact_copy_fraction >= 1.0:
+        if self.exact_copy_fraction is None:
+            pass
+        elif not isinstance(self.exact_copy_fraction, (int, float)) or not 0.0 <= self.exact_copy_fraction < 1.0:
+            raise bad("exact_copy_fraction", "in [0, 1) or None", self.exact_copy_fraction)
+        elif self.host_mem_fraction + self.exact_copy_fraction >= 1.0:
             raise ValueError(f"shadowkv_host_mem_fraction + shadowkv_exact_copy_fraction must be below 1 (the "
                              f"server needs host memory too), got {self.host_mem_fraction} + "
                              f"{self.exact_copy_fraction}")
+
+    @property
+    def copy_fraction(self) -> float:
+        """The exact copies' share of host memory: the one asked for, else DEFAULT_EXACT_COPY_FRACTION,
+        or half of what the values leave if less (a server that gives its values more keeps room)."""
+        if self.exact_copy_fraction is not None:
+            return self.exact_copy_fraction
+        return min(DEFAULT_EXACT_COPY_FRACTION, (1.0 - self.host_mem_fraction) / 2)
 
     @property
     def host_value_torch_dtype(self):
