@@ -16,7 +16,8 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0}
 ENGINE = {k: v for k, v in SHADOW_ENGINE.items() if k != "shadowkv_max_budget"}
 
 
-def cold_and_hit_answers(engine, prompts: list[list[int]], copies: bool = True) -> tuple[list[list[int]], list[list[int]]]:
+def cold_and_hit_answers(engine, prompts: list[list[int]],
+                         copies: bool = True) -> tuple[list[list[int]], list[list[int]]]:
     """Each prompt alone on an empty cache (cold: compressed at its prefill), then each over the
     memo cached compressed by an earlier request (hit, reading its exact copy or not, as `copies`
     says); each request's path checked by the counters."""

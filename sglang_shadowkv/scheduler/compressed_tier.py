@@ -172,8 +172,9 @@ class CompressedTier:
         seg = None
         layout = build_layout(entries, self.cfg.chunk_size) if plan.matched_chunks else None
         if plan.own_span:
-            self.free_value_slots(plan.own_span // self.cfg.chunk_size)
-            seg = self.store.alloc_segment(plan.start, plan.own_span, self.cfg.num_outliers(plan.own_span // self.cfg.chunk_size),
+            chunks = plan.own_span // self.cfg.chunk_size
+            self.free_value_slots(chunks)
+            seg = self.store.alloc_segment(plan.start, plan.own_span, self.cfg.num_outliers(chunks),
                                            keep_copies=layout.segments if layout else ())
             if seg is None:
                 return None

@@ -365,11 +365,11 @@ class SparseDecoder:
         their keys as the dense pool held them, their values unrounded."""
         pool, copies = self.pool, self.pool.copies
         if copies.v is not None:
-            values = (copies.v[layer], copies.slot_of, None)
+            host_v, host_slot, resident = copies.v[layer], copies.slot_of, None
         else:  # the host pool holds them exactly
-            values = (pool.host_v[layer], pool.host_slot, pool.resident(layer))
+            host_v, host_slot, resident = pool.host_v[layer], pool.host_slot, pool.resident(layer)
         self._beside_value_gather(
-            jobs, rows, lambda: self._gather(values[0], values[1], jobs, memory.blocks_v, memory, rows, None, values[2]),
+            jobs, rows, lambda: self._gather(host_v, host_slot, jobs, memory.blocks_v, memory, rows, resident=resident),
             lambda: self._gather(copies.k[layer], copies.slot_of, jobs, memory.blocks_k, memory, rows))
 
     def _gather(self, host: torch.Tensor, host_slot: torch.Tensor, jobs: torch.Tensor, blocks: torch.Tensor,
