@@ -246,8 +246,8 @@ def merge_results(paths: list[str], out: str, keep=None, tasks=TASKS) -> dict:
     """One result from runs that split the tasks, a task's samples, or the paths between them:
     their settings must agree, but for those that don't touch a part's answers (the ShadowKV
     settings to a part of full-attention paths only, the hit's earlier request and its exact
-    copies to one without the hit path), so that a path run again under new settings joins the other paths of an earlier
-    run. The parts of one task and length are joined in sample order. keep: the paths to keep
+    copies to one without the hit path), so that a path run again under new settings joins the
+    other paths of an earlier run. The parts of one task and length are joined in sample order. keep: the paths to keep
     (default: every path of a part); tasks: the tasks to keep."""
     results = [loaded_result(path) for path in paths]
     if keep:
@@ -256,12 +256,12 @@ def merge_results(paths: list[str], out: str, keep=None, tasks=TASKS) -> dict:
                       next((i for i, r in enumerate(results) if "cold" in r["paths"]), 0))
     base = results[base_index]
     for path, other in zip(paths, results):
-        same = ("model", "device", "dtype", "attention_backend", "seed")
-        if {"cold", "hit"} & set(other["paths"]):
-            same += ("engine_overrides", "shadowkv_config")
-        if "hit" in other["paths"]:
-            same += ("hit_after",)
         hit = "hit" in other["paths"]
+        same = ("model", "device", "dtype", "attention_backend", "seed")
+        if hit or "cold" in other["paths"]:
+            same += ("engine_overrides", "shadowkv_config")
+        if hit:
+            same += ("hit_after",)
         differ = [k for k in same if answer_settings(other.get(k), hit) != answer_settings(base.get(k), hit)]
         if differ:
             raise SystemExit(f"{path} differs from {paths[base_index]} in {', '.join(differ)}: "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
@@ -31,8 +32,8 @@ from sglang_shadowkv.kernels.quantize_chunks import chunk_major, quantize_chunks
 
 from .compressed_layout import (basis_pages, element_size, quantize_per_head, segment_pages, slot_layout,
                                 values_per_page)
-from .host_kv_pool import HostEntry
 from .exact_copies import ExactCopies
+from .host_kv_pool import HostEntry
 from .host_memory import PinnedHostTensor, contiguous_runs
 from .kv_pool import PagedKVPool, to_device
 
@@ -359,6 +360,10 @@ class ShadowKVPool:
         else:
             values = chunk_major(values, self.chunk_size).to(self.host_v[layer].dtype).contiguous()
         self._write_host_runs(self.host_v[layer], seg.host_runs, values)
+
+    def has_copies(self, segments: Iterable[Segment]) -> bool:
+        """Whether every one of these segments has an exact copy (a question over them reads it)."""
+        return self.copies is not None and all(seg.copy_slots for seg in segments)
 
     def write_exact_copy(self, layer: int, seg: Segment, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copy the segment's post-RoPE keys and values [num_tokens, Hkv, D], as the dense pool held

@@ -190,7 +190,7 @@ class CompressedTier:
             state.exact_prefill = suffix > self.cfg.sparse_prefill_max or (
                 req.logprob is not None and not req.logprob.input_done)
             self.counters.compressed_prefix_hits += 1
-            if state.exact_prefill and self.store.copies is not None and all(s.copy_slots for s in layout.segments):
+            if state.exact_prefill and self.store.has_copies(layout.segments):
                 self.counters.exact_copy_hits += 1
             self.counters.compressed_tokens_reused += state.layout.num_chunks * self.cfg.chunk_size
         return state

@@ -144,14 +144,12 @@ class ShadowKVConfig:
             raise bad("sparse_prefill_max", "a non-negative int", self.sparse_prefill_max)
         if not isinstance(self.host_mem_fraction, (int, float)) or not 0.0 < self.host_mem_fraction < 1.0:
             raise bad("host_mem_fraction", "in (0, 1)", self.host_mem_fraction)
-        if self.exact_copy_fraction is None:
-            pass
-        elif not isinstance(self.exact_copy_fraction, (int, float)) or not 0.0 <= self.exact_copy_fraction < 1.0:
-            raise bad("exact_copy_fraction", "in [0, 1) or None", self.exact_copy_fraction)
-        elif self.host_mem_fraction + self.exact_copy_fraction >= 1.0:
+        copies = self.exact_copy_fraction
+        if copies is not None and (not isinstance(copies, (int, float)) or not 0.0 <= copies < 1.0):
+            raise bad("exact_copy_fraction", "in [0, 1) or None", copies)
+        if copies is not None and self.host_mem_fraction + copies >= 1.0:
             raise ValueError(f"shadowkv_host_mem_fraction + shadowkv_exact_copy_fraction must be below 1 (the "
-                             f"server needs host memory too), got {self.host_mem_fraction} + "
-                             f"{self.exact_copy_fraction}")
+                             f"server needs host memory too), got {self.host_mem_fraction} + {copies}")
 
     @property
     def copy_fraction(self) -> float:

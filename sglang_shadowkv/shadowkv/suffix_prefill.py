@@ -257,7 +257,7 @@ class SuffixPrefill:
     def reads_copies(self, layouts: list[CompressedLayout]) -> bool:
         """Whether an exact round over these prefixes gathers their exact copies: every segment
         they hold has one (mem_cache/exact_copies.py), else every chunk is rebuilt."""
-        return self.decoder.pool.copies is not None and all(seg.copy_slots for lay in layouts for seg in lay.segments)
+        return self.decoder.pool.has_copies(seg for lay in layouts for seg in lay.segments)
 
     def _new_blocks(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh K and V blocks for `columns` document chunk columns, every KV head (the pool's block

@@ -53,8 +53,7 @@ def engine_kwargs(args: argparse.Namespace, max_total_tokens: int, max_running_r
 def save_result(path: str, info: dict, overrides: dict, indent: int | None = 1, **fields) -> dict:
     """Write an accuracy result as JSON under its provenance (model, device, dtype, attention
     backend, the flags set, the ShadowKV config the engine ran: from its get_server_info());
-    returns it. indent=None: one
-    line, for results of many token lists."""
+    returns it. indent=None: one line, for results of many token lists."""
     result = {"model": info["model_path"], "device": info["device"], "dtype": info["dtype"],
               "attention_backend": info["attention_backend"], "engine_overrides": overrides,
               "shadowkv_config": info["shadowkv"]["config"], **fields}
