@@ -48,7 +48,7 @@ PATHS = ("full", "cold", "hit")
 # ---- one ShadowKV request, its path checked ---------------------------------------------------
 def _counters(engine: Engine) -> dict:
     skv = engine.get_server_info()["shadowkv"]
-    return {k: skv[k] for k in ("compressions", "compressed_prefix_hits", "exact_copy_hits")}
+    return {k: skv[k] for k in ("compressions", "compressed_prefix_hits", "exact_copy_hits", "dense_copy_prefills")}
 
 
 def generate_checked(engine: Engine, ids: list[int], params: dict, path: str | None) -> dict:

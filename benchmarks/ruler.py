@@ -10,7 +10,9 @@ request's path checked by the engine's counters):
 - `cold`: ShadowKV on an empty cache: an exact dense prefill of the prompt, compressed at its
   prefill, sparse decode;
 - `hit`: ShadowKV with the sample's document (the prompt before its question) cached compressed by
-  an earlier request: the question's prefill attends the compressed document, then sparse decode.
+  an earlier request: the question's prefill attends the document's exact copy, loaded into dense
+  pages (the dense kernel, as the cold prefill; each hit row records `from_copies` and
+  `copy_loaded` from the counters), then sparse decode over the compressed document.
   The earlier request holds the document alone (--hit-after document, the default), or the
   document and another question (--hit-after question: OTHER_QUESTION, long enough that the
   document is compressed to its last chunk, as a chat's or an agent's next question finds it), or
@@ -67,6 +69,9 @@ OTHER_QUESTION = ("\nQuestion: Before the question that comes next, describe in 
                   "then list the names, numbers and codes it mentions, in the order in which they first "
                   "appear in the text, without any comment on them, and wait for the next question.")
 MIN_CONTEXT = 1024  # unless --shadowkv-min-context is given
+# what a hit's prefill read, recorded per hit from the engine's counters: its document's exact copy
+# (from_copies), and that copy loaded into dense pages, attended by the dense kernel (copy_loaded)
+HIT_READS = {"from_copies": "exact_copy_hits", "copy_loaded": "dense_copy_prefills"}
 
 
 def run_path(engine: Engine, path: str, cases: list[dict], params: dict) -> list[dict]:
@@ -94,7 +99,8 @@ def run_path(engine: Engine, path: str, cases: list[dict], params: dict) -> list
         outs.append({"text": out["text"], "output_ids": out["output_ids"],
                      "score": string_match_all(out["text"], case["sample"].outputs),
                      "seconds": round(time.perf_counter() - t0, 1),
-                     **({"from_copies": bool(out["counters"]["exact_copy_hits"])} if path == "hit" else {})})
+                     **({key: bool(out["counters"][counter]) for key, counter in HIT_READS.items()}
+                        if path == "hit" else {})})
     engine.flush_cache()
     return outs
 
@@ -130,9 +136,10 @@ def summarize(rows: list[dict], paths) -> dict:
     out = {"samples": len(rows),
            "score": {p: round(100 * sum(r[p]["score"] for r in rows) / len(rows), 2) for p in paths},
            "answers": {p: round(sum(r[p]["score"] for r in rows), 2) for p in paths}}
-    copies = [r["hit"]["from_copies"] for r in rows if "hit" in paths and "from_copies" in r["hit"]]
-    if copies:  # hits whose prefill read the document's exact copy (the counters say; older runs: not kept)
-        out["hits_from_copies"] = sum(copies)
+    for key in HIT_READS:  # hits whose prefill read the document's exact copy (the counters say; older runs: not kept)
+        read = [r["hit"][key] for r in rows if "hit" in paths and key in r["hit"]]
+        if read:
+            out[f"hits_{key}"] = sum(read)
     for a, b in AGREEMENTS:
         if a in paths and b in paths:
             out[f"{a}_vs_{b}"] = agreement([r[a]["output_ids"] for r in rows], [r[b]["output_ids"] for r in rows])
@@ -305,8 +312,9 @@ def compare_runs(paths: list[str], path: str, out: str) -> dict:
             for side, result in (("a", blk), ("b", other)):
                 if "hit_vs_cold" in result["summary"]:
                     row[f"hit_vs_cold_{side}"] = result["summary"]["hit_vs_cold"]["token_agreement"]
-                if "hits_from_copies" in result["summary"]:
-                    row[f"hits_from_copies_{side}"] = result["summary"]["hits_from_copies"]
+                for key in HIT_READS:
+                    if f"hits_{key}" in result["summary"]:
+                        row[f"hits_{key}_{side}"] = result["summary"][f"hits_{key}"]
             tasks.append(row)
         if not tasks:
             raise SystemExit(f"--compare: {a_path} and {b_path} share no task")
@@ -319,8 +327,8 @@ def compare_runs(paths: list[str], path: str, out: str) -> dict:
                       "attention_backend": [a["attention_backend"], b["attention_backend"]],
                       f"mean_{path}_a_vs_b": mean(f"{path}_a_vs_b"), "mean_hit_vs_cold_a": mean("hit_vs_cold_a"),
                       "mean_hit_vs_cold_b": mean("hit_vs_cold_b"),
-                      **{f"hits_from_copies_{side}": sum(t[f"hits_from_copies_{side}"] for t in tasks)
-                         for side in "ab" if all(f"hits_from_copies_{side}" in t for t in tasks)},
+                      **{f"hits_{key}_{side}": sum(t[f"hits_{key}_{side}"] for t in tasks)
+                         for key in HIT_READS for side in "ab" if all(f"hits_{key}_{side}" in t for t in tasks)},
                       "tasks": tasks})
     result = {"path": path, "pairs": pairs}
     with open(out, "w") as f:

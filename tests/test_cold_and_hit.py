@@ -1,7 +1,9 @@
 """benchmarks/cold_and_hit.py's prompts beside decodes: the decodes run before and while a cold
 document or a chat's next turn is served, the step clock over it names the step that compressed it
-or prefilled the turn's suffix over the compressed document beside them, and the decodes end
+or prefilled the turn over the compressed document beside them, and the decodes end
 (aborted) with nothing left held."""
+
+import pytest
 
 from benchmarks.cold_and_hit import _decode_steps, _first_token_beside_decodes
 from sglang_shadowkv import Engine
@@ -27,13 +29,18 @@ def test_a_cold_document_beside_decodes_is_timed_and_its_compressing_step_labell
         sched.cache.check_integrity([])  # the aborted decodes left no page or row behind
 
 
-def test_a_next_turn_beside_decodes_prefills_its_suffix_over_the_compressed_document(tiny_model_path):
+@pytest.mark.parametrize("loaded", [True, False], ids=["over-its-copy-loaded-dense", "over-its-workspace"])
+def test_a_next_turn_beside_decodes_prefills_over_the_compressed_document(tiny_model_path, loaded):
+    """The turn's step: a dense prefill over the document's copy loaded into dense pages (the
+    default), or, the pool short of pages for it, a suffix over the compressed document."""
     doc = [2 + (j * 7) % 500 for j in range(600)]
     turn = [4 + (j * 13) % 500 for j in range(150)]  # several tiles
     with Engine(model_path=tiny_model_path, max_total_tokens=4000, **TINY) as engine:
+        engine.scheduler.cache.compressed.load_copies = loaded
         engine.generate(input_ids=doc + [5] * 8, sampling_params={"max_new_tokens": 1})  # cached, compressed
         out = _first_token_beside_decodes(engine, doc + turn, [doc + [7 + i] * 8 for i in range(3)])
-        assert out["clock"]["suffix+decode"]["prompt_tokens"] >= len(turn)
+        assert out["clock"]["prefill+decode" if loaded else "suffix+decode"]["prompt_tokens"] >= len(turn)
+        assert engine.scheduler.stats["dense_copy_prefills"] == (4 if loaded else 0)  # the decodes' questions too
         assert "prefill+decode+compress" not in out["clock"]  # the document was not prefilled again
         assert not engine.scheduler.has_work
         engine.scheduler.cache.check_integrity([])

@@ -379,7 +379,7 @@ def exact_pair():
 
 def test_exact_suffixes_replay_a_graph_per_documents_and_give_the_eager_tokens(exact_pair, monkeypatch):
     """Questions that attend every compressed chunk (shadowkv_sparse_prefill_max 0, the default)
-    replay an exact suffix graph: one question, three on one document at once (its chunks
+    over a workspace (their documents' copies not loaded dense) replay an exact suffix graph: one question, three on one document at once (its chunks
     rebuilt once: one document in the workspace), and questions on two documents at once (two);
     each answers as the eager step does, and the padding touches only the reserved page. Documents
     that do not fit the workspace in one piece run eagerly, with the same answers."""
@@ -387,6 +387,8 @@ def test_exact_suffixes_replay_a_graph_per_documents_and_give_the_eager_tokens(e
     from sglang_shadowkv.shadowkv import suffix_prefill
 
     plain, graphed = exact_pair
+    for eng in exact_pair:  # questions on documents whose copies are not loaded dense (the pool short of pages)
+        monkeypatch.setattr(eng.scheduler.cache.compressed, "load_copies", False)
     graphs = graphed.scheduler.runner.graphs
     narrowest = graph_widths(graphs.backend.decoder.max_chunks)[0]
     assert graphs.backend.compile_suffix_variants() == [("exact_suffix", narrowest, 1, from_copies)  # no selection

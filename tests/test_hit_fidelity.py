@@ -28,7 +28,8 @@ def cold_and_hit_answers(engine, prompts: list[list[int]],
     engine.flush_cache()
     cache_document(engine, os.path.commonprefix(prompts))
     hits = [generate_checked(engine, ids, GREEDY, "hit") for ids in prompts]
-    assert [out["counters"]["exact_copy_hits"] for out in hits] == [int(copies)] * len(prompts)
+    for counter in ("exact_copy_hits", "dense_copy_prefills"):  # the copy, loaded into dense pages
+        assert [out["counters"][counter] for out in hits] == [int(copies)] * len(prompts)
     engine.flush_cache()
     return cold, [out["output_ids"] for out in hits]
 

@@ -78,8 +78,9 @@ def test_suffixes_prefilled_together_answer_as_one_at_a_time(shadow_engine):
 def test_exact_questions_together_share_one_fetch_and_their_kernels_match_the_reference(shadow_engine, monkeypatch,
                                                                                         copies):
     """Questions attending every chunk (shadowkv_sparse_prefill_max=0) sent together: one round, their
-    document fetched once for all three (not once each): gathered from its exact copy (the
-    default), or rebuilt from its compressed form; each answering as it does alone. Its Triton
+    document fetched once for all three (not once each): gathered from its exact copy (when the
+    pool cannot spare the pages to load the copy dense: mem_cache/copy_loads.py), or rebuilt from
+    its compressed form; each answering as it does alone. Its Triton
     kernels (interpreted here) give the torch reference's attention output, with the workspace
     cut into pieces of 64 chunk columns (the last one padded)."""
     from sglang_shadowkv.sampling_params import SamplingParams
@@ -114,6 +115,7 @@ def test_exact_questions_together_share_one_fetch_and_their_kernels_match_the_re
     monkeypatch.setattr(suffix_prefill.SuffixPrefill, "attend", both_paths)
     monkeypatch.setattr(suffix.decoder, fetch_name, lambda jobs, *a, **k: pieces.append(jobs.shape) or fetch(jobs, *a, **k))
     monkeypatch.setattr(suffix_prefill, "WORKSPACE_BYTES", 64 * 2 * 3 * 8 * 64 * 4 + 1)  # 64 columns of float32 chunks
+    monkeypatch.setattr(sched.cache.compressed, "headroom", lambda: 0)  # no page to spare for a dense load
     reqs = [sched.add_request(f"x{i}", doc + q, SamplingParams(max_new_tokens=4, temperature=0))
             for i, q in enumerate(questions[:3])]
     sched.step()
@@ -127,6 +129,7 @@ def test_exact_questions_together_share_one_fetch_and_their_kernels_match_the_re
     ws = rnd.workspace
     assert ws.slots.shape[0] == 1 and ws.docs.tolist() == [0, 0, 0] and ws.width == 64 and ws.from_copies == copies
     assert sched.stats["exact_copy_hits"] == (len(alone) + 1 + len(reqs) if copies else 0)  # every question
+    assert sched.stats["dense_copy_prefills"] == (len(alone) + 1 if copies else 0)  # but the three together
     layers = sched.runner.config.num_layers
     assert len(gaps) == TRITON_LAYERS and max(gaps) < 1e-4
     assert len(pieces) == (layers + TRITON_LAYERS) * ws.slots.shape[1] // 64 > layers + TRITON_LAYERS

@@ -153,6 +153,8 @@ class SchedulerStateCollector(Collector):
                               ("compressed_tokens_reused", "Prompt tokens served from compressed cached prefixes."),
                               ("exact_copy_hits", "Requests whose prefill over a compressed cached prefix read "
                                "its exact copies (keys and values as the document's cold prefill had them)."),
+                              ("dense_copy_prefills", "Of those, prefills that read the copies loaded into dense "
+                               "pages, through the dense attention kernel (as the document's cold prefill did)."),
                               ("demotions", "Dense cached spans demoted to compressed form instead of dropped."),
                               ("demoted_tokens", "Tokens demoted from the dense tier to the compressed one."),
                               ("gpu_value_loads", "Compressed segments whose values were copied into lent GPU pages."),

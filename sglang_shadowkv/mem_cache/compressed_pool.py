@@ -32,6 +32,7 @@ from sglang_shadowkv.kernels.quantize_chunks import chunk_major, quantize_chunks
 
 from .compressed_layout import (basis_pages, element_size, quantize_per_head, segment_pages, slot_layout,
                                 values_per_page)
+from .copy_loads import CopyLoads
 from .exact_copies import ExactCopies
 from .host_kv_pool import HostEntry
 from .host_memory import PinnedHostTensor, contiguous_runs
@@ -189,6 +190,8 @@ class ShadowKVPool:
         # exact copies of the segments' keys (and values, unless the host pool holds them exactly)
         self.copies = ExactCopies(self.num_layers, h, c, d, self.dtype, copy_chunks, value_dtype != self.dtype,
                                   self.num_slots, self.device) if copy_chunks else None
+        # those copies loaded into dense pages for the prefill of questions on them
+        self.copy_loads = CopyLoads(self) if copy_chunks else None
 
     # ---- sizes ---------------------------------------------------------------------------------
     @property
@@ -392,17 +395,31 @@ class ShadowKVPool:
     def read_host_values(self, layer: int, seg: Segment, first: int, count: int) -> torch.Tensor:
         """Values [count, Hkv, c, D] of chunks first..first+count-1 of a segment, on the pool's
         device: one copy per run of consecutive host slots."""
-        parts = []
-        for host, run, offset in seg.host_runs:
-            lo, hi = max(first, offset), min(first + count, offset + run)
-            if lo < hi:
-                parts.append(self.host_v[layer][host + lo - offset:host + hi - offset].to(
-                    self.device, non_blocking=True))
-        values = torch.cat(parts) if len(parts) > 1 else parts[0]
+        values = self._read_host_runs(self.host_v[layer], seg.host_runs, first, count)
         if self.value_scale is None:
             return values
         scale = self.value_scale[layer][seg.chunk_slots[first:first + count]]
         return (values.float() * scale[:, :, None, None]).to(self.dtype)
+
+    def read_exact_copy(self, layer: int, seg: Segment, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [count, Hkv, c, D] of chunks first..first+count-1 of a segment with an
+        exact copy, on the pool's device, as the dense pool held them (values from the host pool
+        where it holds them exactly)."""
+        keys = self._read_host_runs(self.copies.k[layer], seg.copy_runs, first, count)
+        if self.copies.v is None:
+            return keys, self.read_host_values(layer, seg, first, count)
+        return keys, self._read_host_runs(self.copies.v[layer], seg.copy_runs, first, count)
+
+    def _read_host_runs(self, host: torch.Tensor, runs: list[tuple[int, int, int]], first: int,
+                        count: int) -> torch.Tensor:
+        """Chunks first..first+count-1 [count, ...] of host slots laid out in runs (first slot,
+        count, chunk offset): one copy per run they touch, asynchronous from pinned memory."""
+        parts = []
+        for slot, run, offset in runs:
+            lo, hi = max(first, offset), min(first + count, offset + run)
+            if lo < hi:
+                parts.append(host[slot + lo - offset:slot + hi - offset].to(self.device, non_blocking=True))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def write_landmarks(self, layer: int, seg: Segment, landmarks: torch.Tensor) -> None:
         """Store the segment's landmarks [n, Hkv, D] (an int8 pool quantises them with their scales)."""

@@ -19,6 +19,7 @@ are copied only when the host pool does not already hold them exactly (int8 ther
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Iterable
 
 import torch
@@ -50,6 +51,7 @@ class ExactCopies:
         self.device = device
         self._free = list(range(chunks, 0, -1))
         self._holders: dict[int, Segment] = {}  # segments with a copy, by id
+        self._pins: Counter[int] = Counter()  # segments whose copy a load reads (copy_loads.py), by id
 
     @property
     def capacity(self) -> int:
@@ -68,9 +70,9 @@ class ExactCopies:
 
     def take(self, seg: Segment, keep: Iterable[Segment] = ()) -> bool:
         """Copy slots for a new segment, taken from the least recently used copies when short
-        (never those of `keep`); False, nothing taken, when the store cannot hold it."""
+        (never those of `keep`, nor pinned ones); False, nothing taken, when the store cannot hold it."""
         n = seg.num_chunks
-        kept = {s.seg_id for s in keep}
+        kept = {s.seg_id for s in keep} | set(self._pins)
         spare = sum(s.num_chunks for s in self._holders.values() if s.seg_id not in kept)
         if n > len(self._free) + spare:
             return False
@@ -91,6 +93,11 @@ class ExactCopies:
             self.slot_of[seg.chunk_slots] = to_device(torch.tensor(seg.copy_slots, dtype=torch.int32), self.device)
         else:
             self.slot_of.index_fill_(0, seg.chunk_slots, 0)
+
+    def pin(self, segments: Iterable[Segment], sign: int = 1) -> None:
+        """Keep these segments' copies from new segments while a load reads them (sign -1: done)."""
+        self._pins.update({seg.seg_id: sign for seg in segments})
+        self._pins = +self._pins  # (drops the zero counts)
 
     def drop(self, seg: Segment) -> None:
         """Give a segment's copy slots back (it is read compressed from now on)."""

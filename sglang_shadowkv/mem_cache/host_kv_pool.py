@@ -9,7 +9,7 @@ that neither waits for the other's queue (PCIe carries both directions at once):
 - a store reads pages whose K/V the compute stream wrote, and the compute stream waits for that
   copy (only) before it reuses the pages;
 - a load runs layer by layer; each layer's pages are ready at its event, and the GPU pool's
-  `before_layer` hook makes the forward pass wait for that layer only (the first layers compute
+  `before_layer` hook makes the forward pass wait for that layer only (kv_pool.LayerLoads) (the first layers compute
   while the last ones still cross PCIe);
 - a copy that touches a page (host or GPU) that a copy on the other stream still reads or writes
   waits for that copy first (`CopyFences`).
@@ -32,7 +32,7 @@ import torch
 from sglang_shadowkv.kernels.copy_pages import copy_pages, copy_pages_reference
 
 from .host_memory import PinnedHostTensor
-from .kv_pool import PagedKVPool, to_device
+from .kv_pool import LayerLoads, PagedKVPool, to_device
 
 
 
@@ -110,8 +110,7 @@ class HostKVPool:
         self._store_stream = torch.cuda.Stream(gpu_pool.device) if self.on_gpu else None
         self._load_stream = torch.cuda.Stream(gpu_pool.device) if self.on_gpu else None
         self._host_fences, self._gpu_fences = CopyFences(), CopyFences()
-        self._layer_ready: list | None = None  # the last load's event per layer
-        gpu_pool.before_layer = self.wait_layer
+        self._layer_ready = LayerLoads(gpu_pool)
 
     # ---- pages --------------------------------------------------------------------------------
     @property
@@ -249,22 +248,11 @@ class HostKVPool:
                 done.record(stream)
             self._gpu_fences.mark(gpu_pages, done)
             self._host_fences.mark(host_pages, done)
-        if events:
-            self._layer_ready = events
+        self._layer_ready.loaded(events)
 
     def wait_loads(self) -> None:
         """The compute stream waits for every load queued so far, all layers (what a CUDA graph
         reads cannot wait layer by layer: a parked compressed segment brought back)."""
         if self._load_stream is not None:
             torch.cuda.current_stream(self.gpu_pool.device).wait_stream(self._load_stream)
-
-    def wait_layer(self, layer: int) -> None:
-        """The GPU pool's before_layer hook: the current stream waits for the last load's pages
-        of this layer (a no-op once they are known to be there)."""
-        ready = self._layer_ready
-        if ready is None or torch.cuda.is_current_stream_capturing():  # (a graph never reads a loading page)
-            return
-        torch.cuda.current_stream(self.gpu_pool.device).wait_event(ready[layer])
-        if layer == len(ready) - 1 and ready[-1].query():
-            self._layer_ready = None
 

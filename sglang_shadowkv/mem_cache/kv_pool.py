@@ -37,8 +37,9 @@ class PagedKVPool:
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
         self.lent = 0  # pages lent out (lend), counted as free
         self.reclaim: Callable[[int], None] | None = None  # gives back at least n lent pages (give_back)
-        # run before a step writes (then reads) a layer's KV: the host tier's loads (host_kv_pool.py)
-        self.before_layer: Callable[[int], None] | None = None
+        # run before a step writes (then reads) a layer's KV: each waits for the pages its loads are
+        # still copying into that layer (the host tier's, host_kv_pool.py; exact copies', copy_loads.py)
+        self.before_layer: list[Callable[[int], None]] = []
 
     @property
     def capacity(self) -> int:
@@ -94,8 +95,8 @@ class PagedKVPool:
         return taken[::-1]
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.before_layer is not None:
-            self.before_layer(layer)
+        for wait in self.before_layer:
+            wait(layer)
         self.k_buffers[layer][slots] = k
         self.v_buffers[layer][slots] = v
 
@@ -104,6 +105,32 @@ class PagedKVPool:
         p = torch.tensor(pages, dtype=torch.int64)
         slots = (p[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
         return slots[:num_tokens]
+
+
+class LayerLoads:
+    """The ready event per layer of the last load a side stream queued into a pool's pages, for
+    the pool's before_layer hook: a step's layer waits for its own layer's pages only, so the first
+    layers compute while the last still cross PCIe (loads on one stream run in order: the last
+    load's event of a layer comes after every earlier load)."""
+
+    def __init__(self, pool: PagedKVPool):
+        self.device, self._ready = pool.device, None
+        pool.before_layer.append(self.wait)
+
+    def loaded(self, events: list) -> None:
+        """A load queued these per-layer events (none: it ran synchronously, off a GPU)."""
+        if events:
+            self._ready = events
+
+    def wait(self, layer: int) -> None:
+        """The current stream waits for the last load's pages of this layer (a no-op once they are
+        known to be there)."""
+        ready = self._ready
+        if ready is None or torch.cuda.is_current_stream_capturing():  # (a graph never reads a loading page)
+            return
+        torch.cuda.current_stream(self.device).wait_event(ready[layer])
+        if layer == len(ready) - 1 and ready[-1].query():
+            self._ready = None
 
 
 class ReqToTokenPool:

@@ -33,8 +33,9 @@ class StepItem:
 
     @property
     def over_compressed_prefix(self) -> bool:
-        """Whether the request's prefix is compressed (its tokens take ShadowKV's sparse paths)."""
-        return self.shadowkv is not None and self.shadowkv.layout is not None
+        """Whether the request's prefix is compressed and its tokens take ShadowKV's sparse paths (a
+        prompt over a compressed prefix loaded dense does not: ShadowKVReqState.reads_compressed)."""
+        return self.shadowkv is not None and self.shadowkv.reads_compressed
 
     @property
     def num_new(self) -> int:

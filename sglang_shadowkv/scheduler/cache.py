@@ -238,15 +238,18 @@ class CacheManager:
         req.pages = list(match.pages)
         req.num_borrowed = match.num_pages
         req.cached_tokens = req.num_computed = match.num_pages * self.page_size
-        layout = None if req.shadowkv is None else req.shadowkv.layout  # of the matched compressed chunks
-        dense_matched = len(req.pages) > (0 if layout is None else layout.num_chunks)  # dense pages among them
-        if dense_matched:  # compressed entries have no dense slots (their table entries are never read)
-            dense = [e if type(e) is int else 0 for e in req.pages]
-            self.table.write(req.pool_row, 0, self.pool.slots_of_pages(dense, req.num_computed))
         req.reserved_pages = need
         self.reserved_pages += need
+        layout = None if req.shadowkv is None else req.shadowkv.layout  # of the matched compressed chunks
         if layout is not None:
-            self.compressed.use_matched(layout)
+            self.compressed.use_matched(layout)  # their GPU values first: every decode step reads them
+            self.compressed.load_prefix_copy(req)  # then, room left, their exact copy for the prefill
+        load = None if req.shadowkv is None else req.shadowkv.copy_load
+        dense_matched = len(req.pages) > (0 if layout is None else layout.num_chunks)  # dense pages among them
+        if dense_matched or load is not None:
+            # compressed entries have no dense slots but a loaded copy's (their table entries are read by no other path)
+            dense = load.table_pages(req.pages) if load is not None else [e if type(e) is int else 0 for e in req.pages]
+            self.table.write(req.pool_row, 0, self.pool.slots_of_pages(dense, req.num_computed))
         self._count_admission(req, dense_hit=dense_matched)
         return True
 
@@ -385,9 +388,10 @@ class CacheManager:
 
     def memory_stats(self, running: list[Req]) -> dict:
         running_pages = sum(sum(isinstance(e, int) for e in r.pages[r.num_borrowed:]) for r in running)
-        compressed = scratch = in_use = 0
+        compressed = scratch = in_use = loaded = 0
         if self.compressed is not None:
             compressed = len(self.compressed.store.held_pages())
+            loaded = 0 if self.compressed.store.copy_loads is None else self.compressed.store.copy_loads.num_pages
             scratch = self.compressed.decoder.taken_row_pages
             in_use = self.compressed.in_use_pages()
         return {
@@ -399,6 +403,8 @@ class CacheManager:
             "compressed_pages": compressed,
             "lent_pages": self.pool.lent,  # of those, GPU values: taken back at once when pages are needed
             "scratch_pages": scratch,  # running requests' chunk-cache scratch rows, in the pool's pages
+            # exact copies of compressed prefixes loaded dense for the prompts prefilling over them
+            "copy_load_pages": loaded,
             # segments requests read (with their GPU values) and scratch rows: what the tier rule
             # keeps out of the room for dense documents (CompressedTier.in_use_pages)
             "compressed_in_use_pages": in_use,

@@ -83,6 +83,9 @@ class CompressedTier:
         self.policy = self.cfg.compress_policy  # the warmup sets "eager" for a moment
         self.headroom, self.rates, self.to_host = headroom, rates, to_host
         self.demoter = Demoter(self) if self.policy == "tier" else None
+        # questions prefill over their document's exact copy loaded dense where the pool can spare
+        # the pages (the warmup turns this off for a while: the suffix prefill's kernels compile)
+        self.load_copies = True
         self._uses = itertools.count(1)
         self.pool.reclaim = self._give_back_values
 
@@ -121,7 +124,8 @@ class CompressedTier:
         is compressing (with their GPU values) and the scratch rows of running requests. Segments
         only the cache holds are not counted: they can be dropped."""
         in_use = [seg for seg in self.store.live.values() if not seg.droppable]
-        return sum(len(seg.pages) + len(seg.value_pages) for seg in in_use) + self.decoder.taken_row_pages
+        loaded = 0 if self.store.copy_loads is None else self.store.copy_loads.num_pages
+        return sum(len(seg.pages) + len(seg.value_pages) for seg in in_use) + self.decoder.taken_row_pages + loaded
 
     def check_capacity(self, prompt_len: int) -> None:
         span = self.cfg.compressed_len(prompt_len, self.page_size)
@@ -168,7 +172,8 @@ class CompressedTier:
         """Take the plan's segment and a scratch row with its pages (None, nothing taken, when
         either is short: the request waits). A suffix over matched chunks attends them exactly when
         it is long, or when the request scores its prompt (logprobs); over their exact copies when
-        they have them (its own segment's copy is never taken from them)."""
+        they have them (its own segment's copy is never taken from them): loaded into dense pages
+        (load_prefix_copy), else gathered into the suffix prefill's workspace."""
         seg = None
         layout = build_layout(entries, self.cfg.chunk_size) if plan.matched_chunks else None
         if plan.own_span:
@@ -195,6 +200,20 @@ class CompressedTier:
             self.counters.compressed_tokens_reused += state.layout.num_chunks * self.cfg.chunk_size
         return state
 
+    def load_prefix_copy(self, req: Req) -> None:
+        """An admitted request (its reservation counted, its prefix's GPU values placed) whose
+        prefill attends every chunk of a prefix with exact copies has that copy loaded into dense
+        pages (shared with the requests prefilling over the same one), when the pool's unused pages
+        beside every promise stay above the demotion watermark after: a temporary load must neither
+        evict cached documents nor start a demotion (else the workspace reads the copy)."""
+        st, entries = req.shadowkv, req.pages
+        if not (self.load_copies and st.exact_prefill and self.store.has_copies(st.layout.segments)):
+            return
+        if self.store.copy_loads.pages_needed(entries) > self.headroom() - watermark_pages(self.pool):
+            return
+        self.counters.dense_copy_prefills += 1
+        st.copy_load = self.store.copy_loads.acquire(entries)
+
     # ---- prompt done --------------------------------------------------------------------------
     def free_value_slots(self, chunks: int) -> None:
         """Make `chunks` host value slots free for a new segment: drop parked segments, least
@@ -211,6 +230,7 @@ class CompressedTier:
         """After the step that completed the prompt (and compressed the own span, if any)."""
         st = req.shadowkv
         st.compress_now = False
+        self._release_copy_load(st)
         if st.segment is None:  # its prompt's own tokens stay dense: the matched layout holds
             return
         self.store.wait_host_writes()  # the next step's value gathers read them
@@ -218,6 +238,16 @@ class CompressedTier:
         self.counters.compressed_requests += 1
         st.segment = None
         st.layout = build_layout(req.pages, self.cfg.chunk_size)
+
+    def _release_copy_load(self, st: ShadowKVReqState) -> None:
+        """Its prompt no longer reads the dense pages of its prefix's copy: decode reads the
+        compressed form, whose values take the pages a load gave back if they could not before
+        (the loads of a step's questions came before some of their documents' values)."""
+        if st.copy_load is not None:
+            self.store.copy_loads.release(st.copy_load)
+            st.copy_load = None
+            for seg in st.layout.segments:
+                self._gpu_values(seg)
 
     def _swap_in_chunk_refs(self, req: Req, seg: Segment) -> None:
         """The segment is compressed: its span's dense pages are freed, ChunkRefs take their place."""
@@ -252,9 +282,12 @@ class CompressedTier:
             self._use(seg)
 
     def _use(self, seg: Segment) -> None:
-        """A segment was compressed or matched: most recently used; its values onto the GPU if the
-        pool can spare the pages and stay above the demotion watermark."""
+        """A segment was compressed or matched: most recently used, its values onto the GPU."""
         seg.last_use = next(self._uses)
+        self._gpu_values(seg)
+
+    def _gpu_values(self, seg: Segment) -> None:
+        """Its values onto the GPU if the pool can spare the pages and stay above the demotion watermark."""
         if seg.value_pages or self.cfg.disable_gpu_values:
             return
         room = self.headroom() - watermark_pages(self.pool)
@@ -276,6 +309,7 @@ class CompressedTier:
         """Report, free what only the request used, and (policy eager) compress a long own dense
         tail (policy tier leaves that to the Demoter, once it is cold)."""
         st = req.shadowkv
+        self._release_copy_load(st)  # aborted before its prompt was done
         if st.layout is not None:
             req.shadowkv_info = self.report(req)
         if st.segment is not None:  # aborted before its prompt was compressed

@@ -59,6 +59,7 @@ class CompressionCounters(Counters):
     compressed_prefix_hits: int = 0  # requests that matched a compressed prefix
     compressed_tokens_reused: int = 0  # tokens of those prefixes
     exact_copy_hits: int = 0  # of those, prefills over every chunk that read the prefix's exact copies
+    dense_copy_prefills: int = 0  # of those, prefills over the copies loaded into dense pages (cold's kernel)
     gpu_value_loads: int = 0  # segments whose values were copied onto the GPU (lent pages)
     gpu_value_drops: int = 0  # segments whose GPU values were given back (read from the host since)
     parked_tokens: int = 0  # tokens of segments whose GPU state moved to the host tier (extreme pressure)

@@ -20,9 +20,10 @@ logger = logging.getLogger(__name__)
 def warm_up(scheduler: "Scheduler") -> None:
     """A short prompt; with ShadowKV also a document long enough to be compressed (compressed at
     its prefill whatever the policy), then a question of two 64-query tiles over it (the sparse
-    suffix prefill, from a CUDA graph) and its sparse decode, and a turn longer than any suffix
-    graph (an eager suffix step: on the H200 a chat's first such turn at 16K took 300 ms, most of
-    it compiling, against 100 ms once compiled). The cache, the counters and ShadowKV's measured
+    suffix prefill, from a CUDA graph: what a question reads when its document's copy is not
+    loaded dense) and its sparse decode, a turn longer than any suffix graph (an eager suffix
+    step: on the H200 a chat's first such turn at 16K took 300 ms, most of it compiling, against
+    100 ms once compiled), and a question over the document's copy loaded dense (the default). The cache, the counters and ShadowKV's measured
     rates (its steps compile kernels: they measure nothing of serving) are left as they were.
     Every tensor-parallel rank runs the same steps."""
     saved = [(counters, counters.as_dict()) for counters in [*scheduler.counter_sets, scheduler.step_clock]]
@@ -34,19 +35,21 @@ def warm_up(scheduler: "Scheduler") -> None:
     compressed = scheduler.cache.compressed
     if compressed is not None and compressed.cfg.min_context + 200 < context:
         doc = ids[:compressed.cfg.min_context + 64]
-        prompts = [doc, doc + ids[-100:], doc + ids[-(GRAPH_TOKENS[-1] + 44):]]
+        prompts = [doc, doc + ids[-100:], doc + ids[-(GRAPH_TOKENS[-1] + 44):], doc + ids[-60:]]
     start = time.perf_counter()
     policy = None if compressed is None else compressed.policy
     if compressed is not None:
         compressed.policy = "eager"
     try:
         for i, prompt in enumerate(prompts):
+            if compressed is not None:  # the suffix prefill's questions read no copy loaded dense
+                compressed.load_copies = i not in (1, 2)
             scheduler.add_request(f"warmup-{i}", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
             while scheduler.has_work:
                 scheduler.step()
     finally:
         if compressed is not None:
-            compressed.policy = policy
+            compressed.policy, compressed.load_copies = policy, True
     scheduler.flush_cache()
     scheduler.device_timer.forget()
     for counters, snapshot in saved:

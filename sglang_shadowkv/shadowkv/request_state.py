@@ -14,6 +14,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef, Segment
+from sglang_shadowkv.mem_cache.copy_loads import CopyLoad
 
 from .config import ShadowKVConfig
 
@@ -128,3 +129,11 @@ class ShadowKVReqState:
     # segment once the prompt is done; the suffix prefill and decode read it
     layout: CompressedLayout | None = None
     exact_prefill: bool = False  # its suffix attends every compressed chunk (suffix_prefill.py)
+    # its prefix's exact copy loaded into dense pages while its prompt is prefilled (mem_cache/copy_loads.py)
+    copy_load: CopyLoad | None = None
+
+    @property
+    def reads_compressed(self) -> bool:
+        """Whether its attention now takes ShadowKV's sparse paths: it has a compressed prefix and
+        is not prefilling over that prefix's copy loaded dense (then it is a dense prompt)."""
+        return self.layout is not None and self.copy_load is None

@@ -1,9 +1,9 @@
 """ShadowKV behind the attention-backend interface.
 
-A step's requests take one of three paths: those without a compressed prefix go through the
-wrapped dense backend; decode tokens of requests with one go through the sparse decoder; prompt
-chunks after a compressed prefix (a question over a cached document) through the sparse suffix
-prefill. In the step that completes a request's long prompt, each layer compresses its segment
+A step's requests take one of three paths: those without a compressed prefix (or prefilling over
+its exact copy loaded dense: mem_cache/copy_loads.py) go through the wrapped dense backend; decode
+tokens of requests with one go through the sparse decoder; other prompt chunks after a compressed
+prefix (a question over a cached document) through the sparse suffix prefill. In the step that completes a request's long prompt, each layer compresses its segment
 right after its attention has run (the last layer also solves every layer's low-rank basis), so
 the prefill is exact over its own tokens and their dense pages can be freed after the step.
 Outside a step, `compress_span` compresses a request's long dense tail when it finishes.
@@ -74,7 +74,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
 
     def begin_step(self, batch: ForwardBatch) -> None:
         shadow = batch.shadowkv or [None] * batch.batch_size
-        compressed = [st is not None and st.layout is not None for st in shadow]
+        compressed = [st is not None and st.reads_compressed for st in shadow]
         sparse = [i for i in range(batch.batch_size) if compressed[i] and batch.extend_lens[i] == 1]
         suffix = [i for i in range(batch.batch_size) if compressed[i] and batch.extend_lens[i] > 1]
         dense = [i for i in range(batch.batch_size) if not compressed[i]]
@@ -100,7 +100,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
     @staticmethod
     def _sparse_request(batch: ForwardBatch, i: int) -> SparseRequest:
         st = batch.shadowkv[i] if batch.shadowkv else None
-        if st is None or st.layout is None:  # a dense request: its whole sequence is its window
+        if st is None or not st.reads_compressed:  # a dense request: its whole sequence is its window
             return SparseRequest(batch.pool_rows[i], None, None, batch.seq_lens[i])
         return SparseRequest(batch.pool_rows[i], st.scratch_row, st.layout, batch.seq_lens[i])
 
@@ -173,7 +173,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
         return widest if kind is None else (kind, widest)
 
     def graph_variant(self, batch: ForwardBatch):
-        if not any(st is not None and st.layout is not None for st in batch.shadowkv or []):
+        if not any(st is not None and st.reads_compressed for st in batch.shadowkv or []):
             variant = self.dense.graph_variant(batch)
             return NO_GRAPH if variant is NO_GRAPH else (DENSE_GRAPH, variant)
         reqs = [self._sparse_request(batch, i) for i in range(batch.batch_size)]
@@ -201,7 +201,7 @@ class ShadowKVAttentionBackend(AttentionBackend):
         for i, st in enumerate(batch.shadowkv):
             if batch.extend_lens[i] == 0:  # a padding request
                 continue
-            if st is None or st.layout is None or st.compress_now:  # a dense prompt, or one compressing
+            if st is None or not st.reads_compressed or st.compress_now:  # a dense prompt, or one compressing
                 return NO_GRAPH
             reqs.append(self._suffix_request(batch, i))
         need = max(r.layout.num_chunks for r in reqs)
