@@ -378,11 +378,12 @@ def exact_pair():
 
 
 def test_exact_suffixes_replay_a_graph_per_documents_and_give_the_eager_tokens(exact_pair, monkeypatch):
-    """Questions that attend every compressed chunk (shadowkv_sparse_prefill_max 0, the default)
-    over a workspace (their documents' copies not loaded dense) replay an exact suffix graph: one question, three on one document at once (its chunks
-    rebuilt once: one document in the workspace), and questions on two documents at once (two);
-    each answers as the eager step does, and the padding touches only the reserved page. Documents
-    that do not fit the workspace in one piece run eagerly, with the same answers."""
+    """Questions that attend every compressed chunk (shadowkv_sparse_prefill_max 0, the default) over a
+    workspace (their documents' copies not loaded dense) replay an exact suffix graph: one question,
+    three on one document at once (its chunks rebuilt once: one document in the workspace), and
+    questions on two documents at once (two); each answers as the eager step does, and the padding
+    touches only the reserved page. Documents that do not fit the workspace in one piece run
+    eagerly, with the same answers."""
     from sglang_shadowkv.model_executor import cuda_graph_runner
     from sglang_shadowkv.shadowkv import suffix_prefill
 

@@ -55,8 +55,8 @@ def chunk_runs(entries: list) -> list[tuple[Segment, int, int, int]]:
     for i, e in enumerate(entries):
         if type(e) is int:
             continue
-        if runs and runs[-1][0] is e.segment and runs[-1][1] + runs[-1][2] == e.index and runs[-1][3] + runs[-1][2] == i:
-            seg, first, count, at = runs[-1]
+        seg, first, count, at = runs[-1] if runs else (None, 0, 0, 0)
+        if seg is e.segment and first + count == e.index and at + count == i:  # the run goes on
             runs[-1] = (seg, first, count + 1, at)
         else:
             runs.append((e.segment, e.index, 1, i))

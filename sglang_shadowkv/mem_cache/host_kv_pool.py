@@ -9,8 +9,8 @@ that neither waits for the other's queue (PCIe carries both directions at once):
 - a store reads pages whose K/V the compute stream wrote, and the compute stream waits for that
   copy (only) before it reuses the pages;
 - a load runs layer by layer; each layer's pages are ready at its event, and the GPU pool's
-  `before_layer` hook makes the forward pass wait for that layer only (kv_pool.LayerLoads) (the first layers compute
-  while the last ones still cross PCIe);
+  `before_layer` hook makes the forward pass wait for that layer only (kv_pool.LayerLoads: the
+  first layers compute while the last ones still cross PCIe);
 - a copy that touches a page (host or GPU) that a copy on the other stream still reads or writes
   waits for that copy first (`CopyFences`).
 With one stream for both, a store queued after the step's loads made the compute stream wait for

@@ -18,14 +18,14 @@ logger = logging.getLogger(__name__)
 
 
 def warm_up(scheduler: "Scheduler") -> None:
-    """A short prompt; with ShadowKV also a document long enough to be compressed (compressed at
-    its prefill whatever the policy), then a question of two 64-query tiles over it (the sparse
-    suffix prefill, from a CUDA graph: what a question reads when its document's copy is not
-    loaded dense) and its sparse decode, a turn longer than any suffix graph (an eager suffix
-    step: on the H200 a chat's first such turn at 16K took 300 ms, most of it compiling, against
-    100 ms once compiled), and a question over the document's copy loaded dense (the default). The cache, the counters and ShadowKV's measured
-    rates (its steps compile kernels: they measure nothing of serving) are left as they were.
-    Every tensor-parallel rank runs the same steps."""
+    """A short prompt; with ShadowKV also a document long enough to be compressed (compressed at its
+    prefill whatever the policy), then a question of two 64-query tiles over it (the sparse suffix
+    prefill, from a CUDA graph: what a question reads when its document's copy is not loaded dense)
+    and its sparse decode, a turn longer than any suffix graph (an eager suffix step: on the H200 a
+    chat's first such turn at 16K took 300 ms, most of it compiling, against 100 ms once compiled),
+    and a question over the document's copy loaded dense (the default). The cache, the counters and
+    ShadowKV's measured rates (its steps compile kernels: they measure nothing of serving) are left
+    as they were. Every tensor-parallel rank runs the same steps."""
     saved = [(counters, counters.as_dict()) for counters in [*scheduler.counter_sets, scheduler.step_clock]]
     rates, saved_rates = scheduler.cache.rates, copy.deepcopy(scheduler.cache.rates)
     vocab, context = scheduler.vocab_size, scheduler.context_length

@@ -1,12 +1,13 @@
 """ShadowKV behind the attention-backend interface.
 
-A step's requests take one of three paths: those without a compressed prefix (or prefilling over
-its exact copy loaded dense: mem_cache/copy_loads.py) go through the wrapped dense backend; decode
+A step's requests take one of three paths: those without a compressed prefix (or prefilling over its
+exact copy loaded dense: mem_cache/copy_loads.py) go through the wrapped dense backend; decode
 tokens of requests with one go through the sparse decoder; other prompt chunks after a compressed
-prefix (a question over a cached document) through the sparse suffix prefill. In the step that completes a request's long prompt, each layer compresses its segment
-right after its attention has run (the last layer also solves every layer's low-rank basis), so
-the prefill is exact over its own tokens and their dense pages can be freed after the step.
-Outside a step, `compress_span` compresses a request's long dense tail when it finishes.
+prefix (a question over a cached document) through the sparse suffix prefill. In the step that
+completes a request's long prompt, each layer compresses its segment right after its attention has
+run (the last layer also solves every layer's low-rank basis), so the prefill is exact over its own
+tokens and their dense pages can be freed after the step. Outside a step, `compress_span` compresses
+a request's long dense tail when it finishes.
 """
 
 from __future__ import annotations
