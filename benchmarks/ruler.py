@@ -36,6 +36,7 @@ document is shorter than the default 4096, unless given); any ShadowKV setting i
     python benchmarks/ruler.py --merge full.json cold_hit.json --out all.json  # joined to another run's
     python benchmarks/ruler.py --first-sample 6 --samples 6 ...      # a task's second half (merge joins halves)
     python benchmarks/ruler.py --compare a.json b.json --paths cold --out spread.json   # one path, two runs
+    python benchmarks/ruler.py --compare hit.json full_cold.json --paths hit cold --out x.json   # a's hit, b's cold
 
 Writes compact JSON (every answer's tokens, path and score; per task and length the summaries)
 after every task, so a long run keeps what it has done; prints a table. `--merge` of one file
@@ -287,29 +288,35 @@ def merge_results(paths: list[str], out: str, keep=None, tasks=TASKS) -> dict:
     return merged
 
 
-def compare_runs(paths: list[str], path: str, out: str) -> dict:
+def compare_runs(paths: list[str], compared: list[str], out: str) -> dict:
     """Token agreement of one path's answers between two runs on the same prompts (pairs of files:
-    a, b, a, b...), per task and length, beside each run's own hit = cold agreement: how far two
-    computations that are both exact part (another attention kernel, another machine), the spread
-    that rounding alone gives the hit path's agreement with cold."""
+    a, b, a, b...), per task and length, over the samples both hold, beside each run's own hit =
+    cold agreement: how far two computations that are both exact part (another attention kernel,
+    another machine), the spread that rounding alone gives the hit path's agreement with cold.
+    compared: the path, or two (run a's answers on the first against run b's on the second: a hit
+    run against an earlier run's cold answers)."""
     if len(paths) % 2:
         raise SystemExit("--compare takes pairs of results")
+    path_a, path_b = (compared * 2)[:2]
+    name = path_a if path_a == path_b else f"{path_a}_vs_{path_b}"
     pairs = []
     for a_path, b_path in zip(paths[::2], paths[1::2]):
         a, b = loaded_result(a_path), loaded_result(b_path)
-        if path not in a["paths"] or path not in b["paths"]:
-            raise SystemExit(f"--compare: {a_path} or {b_path} has no {path} answers")
+        if path_a not in a["paths"] or path_b not in b["paths"]:
+            raise SystemExit(f"--compare: {a_path} has no {path_a} answers or {b_path} no {path_b} answers")
         b_blocks = {(blk["task"], blk["length"]): blk for blk in b["tasks"] if "rows" in blk}
         tasks = []
         for blk in (x for x in a["tasks"] if "rows" in x and (x["task"], x["length"]) in b_blocks):
-            other = b_blocks[blk["task"], blk["length"]]
-            if [(r["index"], r["prompt_tokens"]) for r in blk["rows"]] != [(r["index"], r["prompt_tokens"])
-                                                                            for r in other["rows"]]:
+            other = {r["index"]: r for r in b_blocks[blk["task"], blk["length"]]["rows"]}
+            rows = [(r, other[r["index"]]) for r in blk["rows"] if r["index"] in other]
+            if not rows:
+                continue
+            if any(r["prompt_tokens"] != o["prompt_tokens"] for r, o in rows):
                 raise SystemExit(f"--compare: {blk['task']} at {blk['length']} holds other prompts in {b_path}")
-            row = {"task": blk["task"], "length": blk["length"],
-                   f"{path}_a_vs_b": agreement([r[path]["output_ids"] for r in blk["rows"]],
-                                               [r[path]["output_ids"] for r in other["rows"]])}
-            for side, result in (("a", blk), ("b", other)):
+            row = {"task": blk["task"], "length": blk["length"], "samples": [r["index"] for r, _ in rows],
+                   f"{name}_a_vs_b": agreement([r[path_a]["output_ids"] for r, _ in rows],
+                                               [o[path_b]["output_ids"] for _, o in rows])}
+            for side, result in (("a", blk), ("b", b_blocks[blk["task"], blk["length"]])):
                 if "hit_vs_cold" in result["summary"]:
                     row[f"hit_vs_cold_{side}"] = result["summary"]["hit_vs_cold"]["token_agreement"]
                 for key in HIT_READS:
@@ -317,7 +324,7 @@ def compare_runs(paths: list[str], path: str, out: str) -> dict:
                         row[f"hits_{key}_{side}"] = result["summary"][f"hits_{key}"]
             tasks.append(row)
         if not tasks:
-            raise SystemExit(f"--compare: {a_path} and {b_path} share no task")
+            raise SystemExit(f"--compare: {a_path} and {b_path} share no sample")
 
         def mean(key):
             values = [t[key]["token_agreement"] if isinstance(t[key], dict) else t[key] for t in tasks if key in t]
@@ -325,18 +332,20 @@ def compare_runs(paths: list[str], path: str, out: str) -> dict:
 
         pairs.append({"a": Path(a_path).name, "b": Path(b_path).name, "dtype": a["dtype"],
                       "attention_backend": [a["attention_backend"], b["attention_backend"]],
-                      f"mean_{path}_a_vs_b": mean(f"{path}_a_vs_b"), "mean_hit_vs_cold_a": mean("hit_vs_cold_a"),
-                      "mean_hit_vs_cold_b": mean("hit_vs_cold_b"),
+                      "samples": sum(len(t["samples"]) for t in tasks),
+                      f"mean_{name}_a_vs_b": mean(f"{name}_a_vs_b"),
+                      "same_answers": sum(t[f"{name}_a_vs_b"]["same_answers"] for t in tasks),
+                      "mean_hit_vs_cold_a": mean("hit_vs_cold_a"), "mean_hit_vs_cold_b": mean("hit_vs_cold_b"),
                       **{f"hits_{key}_{side}": sum(t[f"hits_{key}_{side}"] for t in tasks)
                          for key in HIT_READS for side in "ab" if all(f"hits_{key}_{side}" in t for t in tasks)},
                       "tasks": tasks})
-    result = {"path": path, "pairs": pairs}
+    result = {"path": name, "pairs": pairs}
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     for pair in pairs:
-        print(f"{pair['a']} / {pair['b']} ({pair['dtype']}, {' / '.join(pair['attention_backend'])}): {path} "
-              f"answers' tokens equal {pair[f'mean_{path}_a_vs_b']}; hit = cold {pair['mean_hit_vs_cold_a']} / "
-              f"{pair['mean_hit_vs_cold_b']}")
+        print(f"{pair['a']} / {pair['b']} ({pair['dtype']}, {' / '.join(pair['attention_backend'])}): {name} "
+              f"answers' tokens equal {pair[f'mean_{name}_a_vs_b']} ({pair['same_answers']} of {pair['samples']} "
+              f"answers); hit = cold {pair['mean_hit_vs_cold_a']} / {pair['mean_hit_vs_cold_b']}")
     return result
 
 
@@ -376,7 +385,7 @@ def main() -> None:
         print_table(merge_results(args.merge, args.out, keep=args.paths, tasks=args.tasks))
         return
     if args.compare:
-        compare_runs(args.compare, (args.paths or ["cold"])[0], args.out)
+        compare_runs(args.compare, args.paths or ["cold"], args.out)
         return
     args.paths = args.paths or list(DEFAULT_PATHS)
     # a 4K sample's document is under the default shadowkv_min_context (4096): compress it anyway

@@ -165,7 +165,8 @@ def test_results_of_one_run_split_across_processes_merge_in_task_order(tmp_path)
 
 def test_two_runs_on_the_same_prompts_compare_one_paths_answers(tmp_path):
     """`ruler.py --compare a.json b.json`: per task, how alike the cold answers of two runs are (the
-    spread of two exact computations), beside each run's hit = cold; other prompts are refused."""
+    spread of two exact computations), beside each run's hit = cold, over the samples both hold; a
+    run's hit answers against another's cold ones (--paths hit cold); other prompts are refused."""
     from benchmarks.ruler import compare_runs
 
     def run(name, cold, hit=None, prompt_tokens=100, **fields):
@@ -177,17 +178,20 @@ def test_two_runs_on_the_same_prompts_compare_one_paths_answers(tmp_path):
 
     torch_run = run("torch.json", [[1, 2, 3, 4], [5, 6]], hit=[[1, 2, 0, 0], [5, 6]])
     triton_run = run("triton.json", [[1, 2, 3, 9], [5, 6]], attention_backend="triton")
-    result = compare_runs([triton_run, torch_run], "cold", str(tmp_path / "spread.json"))
+    result = compare_runs([triton_run, torch_run], ["cold"], str(tmp_path / "spread.json"))
     (pair,) = result["pairs"]
     assert pair["attention_backend"] == ["triton", "torch"] and pair["mean_cold_a_vs_b"] == round(5 / 6, 3)
     assert pair["tasks"][0]["cold_a_vs_b"]["same_answers"] == 1
     assert pair["mean_hit_vs_cold_a"] is None and pair["mean_hit_vs_cold_b"] == 0.5
     assert pair["hits_from_copies_b"] == 2 and "hits_from_copies_a" not in pair
+    hit_half = run("hit_half.json", [[0]], hit=[[1, 2, 3, 4]])  # a run cut short: its first sample
+    (pair,) = compare_runs([hit_half, torch_run], ["hit", "cold"], str(tmp_path / "hit.json"))["pairs"]
+    assert pair["samples"] == 1 and pair["tasks"][0]["samples"] == [0] and pair["mean_hit_vs_cold_a_vs_b"] == 1.0
     other = run("other.json", [[1], [5]], prompt_tokens=7)
     with pytest.raises(SystemExit, match="other prompts"):
-        compare_runs([other, torch_run], "cold", str(tmp_path / "bad.json"))
+        compare_runs([other, torch_run], ["cold"], str(tmp_path / "bad.json"))
     with pytest.raises(SystemExit, match="pairs"):
-        compare_runs([other], "cold", str(tmp_path / "bad.json"))
+        compare_runs([other], ["cold"], str(tmp_path / "bad.json"))
 
 
 def test_a_full_hit_answers_as_full_attention_does_over_the_document_cached_dense(engine):

@@ -5,8 +5,9 @@ Why: a question sent cold prefills over its document's exact keys and values and
 document after; the same question on the document cached compressed prefilled over keys rebuilt
 from their low-rank factors and (on a GPU) int8 values. The two computed the question's own keys
 and values differently, and long greedy answers parted at near ties (docs/accuracy.md#ruler).
-With a copy, a question's every-chunk prefill (shadowkv/suffix_prefill.py) gathers the document's
-keys and values as cold attended them. Decode never reads a copy: cold decodes over the
+With a copy, a question's every-chunk prefill reads the document's keys and values as cold
+attended them: loaded into dense pages (copy_loads.py), or gathered into the suffix prefill's
+workspace (shadowkv/suffix_prefill.py). Decode never reads a copy: cold decodes over the
 compressed form too.
 
 Copies are a cache within a fixed host budget (`shadowkv_exact_copy_fraction`): a compression

@@ -11,10 +11,12 @@ key sets):
 - the compressed chunks. An `exact` request (every suffix at the default
   shadowkv_sparse_prefill_max 0; past it a longer one, or one that asks for prompt logprobs)
   attends every chunk: exact attention over the compressed document, none left out, as none is
-  in the cold prefill. Its keys and values are gathered from the documents' exact copies in host
-  memory where every segment of them has one (then it attends the very keys and values the same
-  question's cold prefill does: mem_cache/exact_copies.py), else keys rebuilt from their
-  low-rank factors and the stored values. The step's exact requests are one round, whose
+  in the cold prefill. (By default a question whose documents have exact copies does not come
+  here: the copies are loaded into dense pages and it is prefilled as a dense prompt,
+  mem_cache/copy_loads.py; these rounds serve it when the pool cannot spare the pages.) Its keys
+  and values are gathered from the documents' exact copies in host memory where every segment of
+  them has one (then it attends the very keys and values the same question's cold prefill does:
+  mem_cache/exact_copies.py), else keys rebuilt from their low-rank factors and the stored values. The step's exact requests are one round, whose
   documents (each once, however many of its questions the step holds) are fetched into a
   workspace of the step's own, at most WORKSPACE_BYTES at a time, and attended by the sparse
   decode kernel with every query of a request reading them, the outliers in the same pass: a
