@@ -36,7 +36,7 @@ def test_a_next_turn_beside_decodes_prefills_over_the_compressed_document(tiny_m
     doc = [2 + (j * 7) % 500 for j in range(600)]
     turn = [4 + (j * 13) % 500 for j in range(150)]  # several tiles
     with Engine(model_path=tiny_model_path, max_total_tokens=4000, **TINY) as engine:
-        engine.scheduler.cache.compressed.load_copies = loaded
+        engine.scheduler.cache.compressed.copies_loaded_dense = loaded
         engine.generate(input_ids=doc + [5] * 8, sampling_params={"max_new_tokens": 1})  # cached, compressed
         out = _first_token_beside_decodes(engine, doc + turn, [doc + [7 + i] * 8 for i in range(3)])
         assert out["clock"]["prefill+decode" if loaded else "suffix+decode"]["prompt_tokens"] >= len(turn)

@@ -389,7 +389,7 @@ def test_exact_suffixes_replay_a_graph_per_documents_and_give_the_eager_tokens(e
 
     plain, graphed = exact_pair
     for eng in exact_pair:  # questions on documents whose copies are not loaded dense (the pool short of pages)
-        monkeypatch.setattr(eng.scheduler.cache.compressed, "load_copies", False)
+        monkeypatch.setattr(eng.scheduler.cache.compressed, "copies_loaded_dense", False)
     graphs = graphed.scheduler.runner.graphs
     narrowest = graph_widths(graphs.backend.decoder.max_chunks)[0]
     assert graphs.backend.compile_suffix_variants() == [("exact_suffix", narrowest, 1, from_copies)  # no selection

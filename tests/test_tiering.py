@@ -148,7 +148,7 @@ def test_a_document_is_compressed_at_prefill_when_running_compressed_requests_ho
         tier.policy = "tier"
         # the questions prefill over their workspaces: loads of their documents' copies would take
         # the unused pages that the reservations after them then reclaim from a document's GPU values
-        tier.load_copies = False
+        tier.copies_loaded_dense = False
         busy = [sched.add_request(f"d{i}", document(30 + i) + question(1 + i),
                                   SamplingParams(max_new_tokens=40, ignore_eos=True)) for i in range(5)]
         for _ in range(3):
@@ -414,7 +414,7 @@ def test_a_compressed_document_keeps_its_values_on_the_gpu_while_the_pool_can_sp
     # the question's prefill over the document's exact copy loaded dense would read the host values
     # this test spoils (the host holds them exactly here): it prefills over its workspace, which
     # reads the GPU copy of the values as decode does
-    monkeypatch.setattr(tier, "load_copies", False)
+    monkeypatch.setattr(tier, "copies_loaded_dense", False)
     doc, _ = fresh_document(spoil_host=False)
     shadowkv = tiny_tier.get_server_info()["shadowkv"]
     assert shadowkv["gpu_value_loads"] >= 1 and shadowkv["tiers"]["compressed_gpu_value_bytes"] > 0

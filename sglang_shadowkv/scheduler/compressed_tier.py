@@ -85,7 +85,7 @@ class CompressedTier:
         self.demoter = Demoter(self) if self.policy == "tier" else None
         # questions prefill over their document's exact copy loaded dense where the pool can spare
         # the pages (the warmup turns this off for a while: the suffix prefill's kernels compile)
-        self.load_copies = True
+        self.copies_loaded_dense = True
         self._uses = itertools.count(1)
         self.pool.reclaim = self._give_back_values
 
@@ -207,7 +207,7 @@ class CompressedTier:
         beside every promise stay above the demotion watermark after: a temporary load must neither
         evict cached documents nor start a demotion (else the workspace reads the copy)."""
         st, entries = req.shadowkv, req.pages
-        if not (self.load_copies and st.exact_prefill and self.store.has_copies(st.layout.segments)):
+        if not (self.copies_loaded_dense and st.exact_prefill and self.store.has_copies(st.layout.segments)):
             return
         if self.store.copy_loads.pages_needed(entries) > self.headroom() - watermark_pages(self.pool):
             return

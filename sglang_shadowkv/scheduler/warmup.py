@@ -43,13 +43,13 @@ def warm_up(scheduler: "Scheduler") -> None:
     try:
         for i, prompt in enumerate(prompts):
             if compressed is not None:  # the suffix prefill's questions read no copy loaded dense
-                compressed.load_copies = i not in (1, 2)
+                compressed.copies_loaded_dense = i not in (1, 2)
             scheduler.add_request(f"warmup-{i}", prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
             while scheduler.has_work:
                 scheduler.step()
     finally:
         if compressed is not None:
-            compressed.policy, compressed.load_copies = policy, True
+            compressed.policy, compressed.copies_loaded_dense = policy, True
     scheduler.flush_cache()
     scheduler.device_timer.forget()
     for counters, snapshot in saved:
