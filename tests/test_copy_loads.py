@@ -12,6 +12,7 @@ import torch
 from benchmarks.hit_fidelity import cache_document
 from sglang_shadowkv.mem_cache.compressed_pool import ChunkRef
 from sglang_shadowkv.mem_cache.copy_loads import chunk_runs
+from sglang_shadowkv.shadowkv.request_state import build_layout
 from sglang_shadowkv.testing.prompts import memo_prompts
 from tests.conftest import assert_pool_clean
 from tests.test_shadowkv import (SHADOW_ENGINE, _compressed_pool, document_and_questions, long_prompt,
@@ -37,19 +38,20 @@ def test_a_load_puts_every_chunk_exactly_into_dense_pages_once_for_all_its_reade
         written[seg.seg_id] = keys, values
     dense = kv.alloc(1)
     entries = [ChunkRef(first, i) for i in range(3)] + dense + [ChunkRef(second, i) for i in range(2)]
-    assert chunk_runs(entries) == [(first, 0, 3, 0), (second, 0, 2, 4)]
-    assert chunk_runs([ChunkRef(first, 0), ChunkRef(first, 2)]) == [(first, 0, 1, 0), (first, 2, 1, 1)]
+    assert chunk_runs(entries) == [(first, 0, 3), (second, 0, 2)]
+    assert chunk_runs([ChunkRef(first, 0), ChunkRef(first, 2)]) == [(first, 0, 1), (first, 2, 1)]
+    layout = build_layout(entries, 4)
     free = kv.num_free
-    assert loads.pages_needed(entries) == 5
-    load = loads.acquire(entries)
-    assert kv.num_free == free - 5 and loads.pages_needed(entries) == 0 and loads.num_pages == 5
+    assert loads.pages_needed(layout) == 5
+    load = loads.acquire(entries, layout)
+    assert kv.num_free == free - 5 and loads.pages_needed(layout) == 0 and loads.num_pages == 5
     table = load.table_pages(entries)
     assert table[3] == dense[0] and table[:3] + table[4:] == load.pages
     slots = kv.slots_of_pages(table, 24)
     for side, buffer in enumerate((kv.k_buffers[0], kv.v_buffers[0])):
         assert torch.equal(buffer[slots[:12]], written[first.seg_id][side])
         assert torch.equal(buffer[slots[16:]], written[second.seg_id][side])
-    shared = loads.acquire(entries)  # a second question on the same prefix
+    shared = loads.acquire(entries, build_layout(entries, 4))  # a second question on the same prefix
     assert shared is load and shared.users == 2 and kv.num_free == free - 5
     pinned = pool.alloc_segment(32, 16, 1)  # 4 chunks: room only from the copies the load reads
     assert not pinned.copy_slots

@@ -190,8 +190,8 @@ class ShadowKVPool:
         # exact copies of the segments' keys (and values, unless the host pool holds them exactly)
         self.copies = ExactCopies(self.num_layers, h, c, d, self.dtype, copy_chunks, value_dtype != self.dtype,
                                   self.num_slots, self.device) if copy_chunks else None
-        # those copies loaded into dense pages for the prefill of questions on them
-        self.copy_loads = CopyLoads(self) if copy_chunks else None
+        # those copies loaded into dense pages for the prefill of questions on them (none without copies)
+        self.copy_loads = CopyLoads(self)
 
     # ---- sizes ---------------------------------------------------------------------------------
     @property

@@ -10,8 +10,8 @@ exactly as a dense prefix hit of full attention is, whose answers are full atten
 token (ruler.py's full_hit). The request decodes over the compressed form, as cold does, and the
 pages go back when its prompt is done.
 
-A load is shared by the requests whose prefixes hold the same chunks at the same positions (a
-burst of questions on one document loads it once). It is taken only when the pool can spare its
+A load is shared by the requests whose prefixes hold the same chunks (a segment's chunks have
+fixed positions; a burst of questions on one document loads it once). It is taken only when the pool can spare its
 pages above the demotion watermark; otherwise the question prefills over the workspace, as before.
 The load is queued at admission, and its segments' copies are pinned while it lives (no new
 segment takes their slots: none writes them while the load may still read them). On a GPU a load
@@ -31,13 +31,15 @@ import torch
 from .kv_pool import LayerLoads, to_device
 
 if TYPE_CHECKING:
+    from sglang_shadowkv.shadowkv.request_state import CompressedLayout
+
     from .compressed_pool import Segment, ShadowKVPool
 
 
 @dataclass(eq=False)
 class CopyLoad:
     """One document's exact copy in dense pages: a page per compressed chunk of the prefix, in order."""
-    key: tuple  # (segment id, first chunk, count, first page entry) of each run: equal for equal prefixes
+    key: tuple  # its prefix's CompressedLayout.chunks_key: which chunks of which segments (each at its place)
     pages: list[int]
     segments: list[Segment]  # whose copies it reads: pinned (ExactCopies.pin) while it lives
     users: int = 1
@@ -48,18 +50,18 @@ class CopyLoad:
         return [e if type(e) is int else next(loaded) for e in entries]
 
 
-def chunk_runs(entries: list) -> list[tuple[Segment, int, int, int]]:
-    """(segment, first chunk, count, first entry) of each run of consecutive chunks of one
-    segment among page entries (page ids and ChunkRefs)."""
+def chunk_runs(entries: list) -> list[tuple[Segment, int, int]]:
+    """(segment, first chunk, count) of each run of consecutive chunks of one segment among page
+    entries (page ids and ChunkRefs), in order."""
     runs = []
-    for i, e in enumerate(entries):
+    for e in entries:
         if type(e) is int:
             continue
-        seg, first, count, at = runs[-1] if runs else (None, 0, 0, 0)
-        if seg is e.segment and first + count == e.index and at + count == i:  # the run goes on
-            runs[-1] = (seg, first, count + 1, at)
+        seg, first, count = runs[-1] if runs else (None, 0, 0)
+        if seg is e.segment and first + count == e.index:  # the run goes on
+            runs[-1] = (seg, first, count + 1)
         else:
-            runs.append((e.segment, e.index, 1, i))
+            runs.append((e.segment, e.index, 1))
     return runs
 
 
@@ -71,29 +73,22 @@ class CopyLoads:
         self._stream = torch.cuda.Stream(self.kv.device) if cuda else None
         self._layer_ready = LayerLoads(self.kv)
 
-    @staticmethod
-    def _key(entries: list) -> tuple:
-        return tuple((seg.seg_id, first, count, at) for seg, first, count, at in chunk_runs(entries))
+    def pages_needed(self, layout: CompressedLayout) -> int:
+        """Dense pages a load of a prefix's compressed chunks takes (0: loaded already, to be shared)."""
+        return 0 if layout.chunks_key in self.live else layout.num_chunks
 
-    def pages_needed(self, entries: list) -> int:
-        """Dense pages a load of these entries' chunks takes (0: loaded already, to be shared)."""
-        return 0 if self._key(entries) in self.live else sum(type(e) is not int for e in entries)
-
-    def acquire(self, entries: list) -> CopyLoad:
-        """The chunks of these entries (their segments all have exact copies) in dense pages:
-        a load another request holds, or a new one queued now (its pages counted beforehand:
-        pages_needed)."""
-        key = self._key(entries)
-        load = self.live.get(key)
+    def acquire(self, entries: list, layout: CompressedLayout) -> CopyLoad:
+        """The compressed chunks of a prefix's page entries (their segments all have exact copies;
+        `layout` is theirs) in dense pages: a load another request holds, or a new one queued now
+        (its pages counted beforehand: pages_needed)."""
+        load = self.live.get(layout.chunks_key)
         if load is not None:
             load.users += 1
             return load
-        runs = chunk_runs(entries)
-        load = CopyLoad(key, self.kv.alloc(sum(type(e) is not int for e in entries)),
-                        list({id(seg): seg for seg, *_ in runs}.values()))
-        self.live[key] = load
+        load = CopyLoad(layout.chunks_key, self.kv.alloc(layout.num_chunks), list(layout.segments))
+        self.live[load.key] = load
         self.store.copies.pin(load.segments)
-        self._queue(runs, load.pages)
+        self._queue(chunk_runs(entries), load.pages)
         return load
 
     def release(self, load: CopyLoad) -> None:
@@ -102,7 +97,7 @@ class CopyLoads:
         if load.users == 0:
             del self.live[load.key]
             self.kv.free(load.pages)
-            self.store.copies.pin(load.segments, -1)
+            self.store.copies.unpin(load.segments)
 
     def held_pages(self) -> list[int]:
         return [p for load in self.live.values() for p in load.pages]
@@ -111,14 +106,14 @@ class CopyLoads:
     def num_pages(self) -> int:
         return sum(len(load.pages) for load in self.live.values())
 
-    def _queue(self, runs: list[tuple[Segment, int, int, int]], pages: list[int]) -> None:
+    def _queue(self, runs: list[tuple[Segment, int, int]], pages: list[int]) -> None:
         """Every layer's keys and values of the runs' chunks into the pages (token-major, as the
         pool holds them), after the work queued on the compute stream (the pages' last readers);
         a ready event per layer on a GPU."""
         kv, c = self.kv, self.kv.page_size
         dst = to_device(torch.tensor(pages, dtype=torch.int64), kv.device)
-        firsts = itertools.accumulate((count for _, _, count, _ in runs), initial=0)  # each run's first page
-        spans = [(seg, first, count, at) for (seg, first, count, _), at in zip(runs, firsts)]
+        firsts = itertools.accumulate((count for _, _, count in runs), initial=0)  # each run's first page
+        spans = [(seg, first, count, at) for (seg, first, count), at in zip(runs, firsts)]
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(kv.device))

@@ -95,9 +95,13 @@ class ExactCopies:
         else:
             self.slot_of.index_fill_(0, seg.chunk_slots, 0)
 
-    def pin(self, segments: Iterable[Segment], sign: int = 1) -> None:
-        """Keep these segments' copies from new segments while a load reads them (sign -1: done)."""
-        self._pins.update({seg.seg_id: sign for seg in segments})
+    def pin(self, segments: Iterable[Segment]) -> None:
+        """Keep these segments' copies from new segments while a load reads them (copy_loads.py)."""
+        self._pins.update(seg.seg_id for seg in segments)
+
+    def unpin(self, segments: Iterable[Segment]) -> None:
+        """A load that pinned these segments' copies is done."""
+        self._pins.subtract(seg.seg_id for seg in segments)
         self._pins = +self._pins  # (drops the zero counts)
 
     def drop(self, seg: Segment) -> None:

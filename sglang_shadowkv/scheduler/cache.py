@@ -391,7 +391,7 @@ class CacheManager:
         compressed = scratch = in_use = loaded = 0
         if self.compressed is not None:
             compressed = len(self.compressed.store.held_pages())
-            loaded = 0 if self.compressed.store.copy_loads is None else self.compressed.store.copy_loads.num_pages
+            loaded = self.compressed.store.copy_loads.num_pages
             scratch = self.compressed.decoder.taken_row_pages
             in_use = self.compressed.in_use_pages()
         return {

@@ -124,8 +124,8 @@ class CompressedTier:
         is compressing (with their GPU values) and the scratch rows of running requests. Segments
         only the cache holds are not counted: they can be dropped."""
         in_use = [seg for seg in self.store.live.values() if not seg.droppable]
-        loaded = 0 if self.store.copy_loads is None else self.store.copy_loads.num_pages
-        return sum(len(seg.pages) + len(seg.value_pages) for seg in in_use) + self.decoder.taken_row_pages + loaded
+        return (sum(len(seg.pages) + len(seg.value_pages) for seg in in_use) + self.decoder.taken_row_pages
+                + self.store.copy_loads.num_pages)
 
     def check_capacity(self, prompt_len: int) -> None:
         span = self.cfg.compressed_len(prompt_len, self.page_size)
@@ -206,13 +206,13 @@ class CompressedTier:
         pages (shared with the requests prefilling over the same one), when the pool's unused pages
         beside every promise stay above the demotion watermark after: a temporary load must neither
         evict cached documents nor start a demotion (else the workspace reads the copy)."""
-        st, entries = req.shadowkv, req.pages
+        st = req.shadowkv
         if not (self.copies_loaded_dense and st.exact_prefill and self.store.has_copies(st.layout.segments)):
             return
-        if self.store.copy_loads.pages_needed(entries) > self.headroom() - watermark_pages(self.pool):
+        if self.store.copy_loads.pages_needed(st.layout) > self.headroom() - watermark_pages(self.pool):
             return
         self.counters.dense_copy_prefills += 1
-        st.copy_load = self.store.copy_loads.acquire(entries)
+        st.copy_load = self.store.copy_loads.acquire(req.pages, st.layout)
 
     # ---- prompt done --------------------------------------------------------------------------
     def free_value_slots(self, chunks: int) -> None:

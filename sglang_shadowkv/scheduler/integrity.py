@@ -48,8 +48,8 @@ def check_pools(cache: Pools, running: list["Req"]) -> None:
     pages = [e for e in tree_entries + owned if isinstance(e, int)]
     if cache.compressed is not None:  # compressed state, and the scratch rows' pages
         decoder = cache.compressed.decoder
-        loads = cache.compressed.store.copy_loads
-        pages += cache.compressed.store.held_pages() + ([] if loads is None else loads.held_pages()) + [
+        store = cache.compressed.store
+        pages += store.held_pages() + store.copy_loads.held_pages() + [
             p for r in running if r.shadowkv is not None for p in decoder.pages_of_row(r.shadowkv.scratch_row)]
     _check_once(errors, "page", range(1, cache.pool.capacity + 1), cache.pool.free_ids(), pages)
     _check_tree_counts(errors, cache, tree_entries)

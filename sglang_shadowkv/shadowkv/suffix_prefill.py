@@ -16,7 +16,8 @@ key sets):
   mem_cache/copy_loads.py; these rounds serve it when the pool cannot spare the pages.) Its keys
   and values are gathered from the documents' exact copies in host memory where every segment of
   them has one (then it attends the very keys and values the same question's cold prefill does:
-  mem_cache/exact_copies.py), else keys rebuilt from their low-rank factors and the stored values. The step's exact requests are one round, whose
+  mem_cache/exact_copies.py), else keys rebuilt from their low-rank factors and the stored
+  values. The step's exact requests are one round, whose
   documents (each once, however many of its questions the step holds) are fetched into a
   workspace of the step's own, at most WORKSPACE_BYTES at a time, and attended by the sparse
   decode kernel with every query of a request reading them, the outliers in the same pass: a
